@@ -1,0 +1,173 @@
+"""The GPT: a small nanoGPT-style decoder that the memory techniques act on.
+
+Chapter: none of the techniques by itself; this is the model every section measures.
+Read first: `GPT.forward`, then `Block` and `CausalSelfAttention.core`.
+
+Three seams let the other files change the model without forking it:
+- every Linear is built by `linear_factory` (precision.py swaps in an FP8 Linear);
+- `GPT.forward` runs the blocks through `self.block_runner` (checkpoint.py swaps in
+  a runner that recomputes blocks or segments of blocks);
+- the attention core (QK^T, softmax, dropout, @V) is its own callable,
+  `CausalSelfAttention.core`, called through `self.core_runner` (checkpoint.py's
+  selective policy recomputes just that).
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ATTN_CHOICES = ("manual", "sdpa")
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 256
+    vocab_size: int = 256  # bytes: no tokenizer
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+    dropout: float = 0.0
+    bias: bool = True
+    attn: str = "manual"
+
+    def validate(self):
+        """Raise ValueError with a one-line reason for a shape that cannot be built."""
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.attn not in ATTN_CHOICES:
+            raise ValueError(f"attn must be one of {'|'.join(ATTN_CHOICES)}, got {self.attn!r}")
+
+
+def default_linear(in_features, out_features, bias):
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def run_directly(fn, *args):
+    return fn(*args)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg, linear_factory):
+        super().__init__()
+        self.n_head, self.attn, self.dropout = cfg.n_head, cfg.attn, cfg.dropout
+        self.c_attn = linear_factory(cfg.n_embd, 3 * cfg.n_embd, cfg.bias)
+        self.c_proj = linear_factory(cfg.n_embd, cfg.n_embd, cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.core_runner = run_directly  # checkpoint.py's selective policy replaces this
+        if cfg.attn == "manual":
+            mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
+            self.register_buffer("causal_mask", mask.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
+
+    def core(self, q, k, v):
+        """softmax(QK^T / sqrt(d)) V for (B, heads, T, d) tensors, causal."""
+        p = self.dropout if self.training else 0.0
+        if self.attn == "sdpa":
+            # flash/memory-efficient kernels never store the (T, T) softmax: they
+            # recompute it in backward, i.e. selective recompute done inside a kernel.
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        T = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(~self.causal_mask[:, :, :T, :T], float("-inf"))
+        att = F.softmax(att, dim=-1)  # the (B, heads, T, T) tensor the chapter talks about
+        att = F.dropout(att, p, training=self.training)
+        return att @ v
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = self.core_runner(self.core, q, k, v)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, linear_factory):
+        super().__init__()
+        self.c_fc = linear_factory(cfg.n_embd, 4 * cfg.n_embd, cfg.bias)
+        self.c_proj = linear_factory(4 * cfg.n_embd, cfg.n_embd, cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, linear_factory):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg, linear_factory)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg, linear_factory)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def run_blocks_in_order(blocks, x):
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg, linear_factory=default_linear):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(Block(cfg, linear_factory) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.block_runner = run_blocks_in_order  # checkpoint.py replaces this
+        # the output head is wte itself (tied), so it is not a Linear from the factory
+        for name, p in self.named_parameters():
+            if p.dim() == 2:  # embeddings and Linear weights, whatever class the factory made
+                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)  # GPT-2's init, residual projections scaled
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={self.cfg.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.block_runner(self.h, x)
+        x = self.ln_f(x)
+        logits = x @ self.wte.weight.t()
+        if targets is None:
+            return logits, None
+        # cross entropy in fp32: a 16-bit log-softmax over the vocabulary loses the small terms
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+    def flops_per_token(self):
+        """Model FLOPs per token for forward + backward (PaLM appendix B form): 6N + 12 L h s."""
+        c = self.cfg
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.block_size:])
+            logits = logits[:, -1, :].float() / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            idx = torch.cat((idx, torch.multinomial(F.softmax(logits, dim=-1), 1)), dim=1)
+        return idx
