@@ -1,0 +1,180 @@
+"""The trainer: it learns, BF16 with master weights tracks FP32, resume is bit-identical,
+snapshots are atomic, and bad input is one line and exit status 2."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import precision
+import train
+from conftest import ROOT
+
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64", "--batch_size=8", "--sample_tokens=0",
+        "--ledger=false", "--log_interval=1000", "--eval_interval=1000"]
+
+
+def run(tmp_path, *flags):
+    cfg = train.parse_args([*TINY, f"--out_dir={tmp_path}", *flags])
+    return [h["loss"] for h in train.train(cfg, log=lambda s: None)]
+
+
+def test_loss_falls_on_default_data(tmp_path):
+    losses = run(tmp_path, "--max_iters=60", "--learning_rate=3e-3", "--precision=bf16")
+    first, last = np.mean(losses[:3]), np.mean(losses[-5:])
+    # bytes start near ln(256) = 5.5; a model that learns byte statistics of Python is below 3.2
+    assert first > 4.5
+    assert last < 3.2 and first - last > 1.5, (first, last)
+
+
+def test_bf16_master_weights_track_fp32(tmp_path):
+    fp32 = run(tmp_path / "a", "--max_iters=30", "--precision=fp32")
+    bf16 = run(tmp_path / "b", "--max_iters=30", "--precision=bf16")
+    diff = np.abs(np.array(fp32) - np.array(bf16))
+    # same seed, same batches: bf16 differs by rounding only (8-bit mantissa, ~0.4% per op)
+    assert diff.max() < 0.05, diff.max()
+    assert fp32[-1] < fp32[0] - 1.0
+
+
+def test_bf16_params_and_fp32_master_after_steps(tmp_path):
+    cfg = train.parse_args([*TINY, "--precision=bf16", f"--out_dir={tmp_path}"])
+    model, opt = train.build(cfg, torch.device("cpu"))
+    x = torch.randint(0, 256, (2, 64))
+    before = [m.clone() for m in opt.master_params]
+    for _ in range(2):
+        opt.backward(model(x, x)[1])
+        assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())  # 16-bit gradients
+        assert opt.step()[0]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(m.dtype == torch.float32 for m in opt.master_params)
+    assert any(not torch.equal(a, b) for a, b in zip(before, opt.master_params))
+    # the model's weights are the master copy rounded to bf16
+    assert all(torch.equal(p, m.bfloat16()) for p, m in zip(model.parameters(), opt.master_params))
+    state = opt.optimizer.state[opt.master_params[0]]
+    assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
+
+
+def test_master_copy_keeps_updates_too_small_for_bf16():
+    # a weight of 1.0 in bf16 has ulp 2^-7: AdamW steps of ~1e-4 round away in bf16
+    w16 = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    model = torch.nn.Module()
+    model.w = w16
+    opt = precision.MasterWeightOptimizer(model, "bf16", lr=1e-4, weight_decay=0.0, grad_clip=0.0)
+    naive = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))  # bf16 AdamW, no master copy
+    naive_opt = torch.optim.AdamW([naive], lr=1e-4, weight_decay=0.0)
+    for _ in range(100):
+        w16.grad = torch.ones(4, dtype=torch.bfloat16)
+        opt.step()
+        naive.grad = torch.ones(4, dtype=torch.bfloat16)
+        naive_opt.step()
+    assert torch.equal(naive.detach(), torch.ones(4, dtype=torch.bfloat16))  # every update was lost
+    assert abs(opt.master_params[0][0].item() - (1 - 100e-4)) < 1e-5  # the master copy kept them all
+    assert w16[0].item() < 1.0  # and the bf16 weight now shows them
+
+
+def test_resume_is_bit_identical(tmp_path):
+    flags = ["--max_iters=12", "--lr_decay_iters=12", "--dropout=0.1", "--precision=bf16", "--accum=2"]
+    straight = run(tmp_path / "a", *flags)
+    first = run(tmp_path / "b", *flags[1:], "--max_iters=6")
+    resumed = run(tmp_path / "b", *flags, "--resume")
+    assert len(first) == 6 and len(resumed) == 6
+    assert first + resumed == straight  # exact float equality, step by step
+
+
+def test_interrupted_snapshot_write_leaves_previous_loadable(tmp_path, monkeypatch):
+    path = tmp_path / train.SNAPSHOT
+    train.save_snapshot(path, {"step": 1, "w": torch.arange(4.0)})
+
+    def crash(obj, fh, *a, **k):
+        fh.write(b"half a snapshot")
+        raise KeyboardInterrupt("killed mid-write")
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train.save_snapshot(path, {"step": 2, "w": torch.zeros(4)})
+    monkeypatch.undo()
+    state = torch.load(path, weights_only=True)
+    assert state["step"] == 1 and torch.equal(state["w"], torch.arange(4.0))
+
+
+def test_default_data_is_stdlib_bytes_cached_once(tmp_path):
+    tokens = train.load_tokens("", cache_dir=tmp_path)
+    assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint8
+    files = train.stdlib_files()
+    assert len(tokens) == sum(f.stat().st_size for f in files) > 10_000_000
+    assert all("site-packages" not in f.parts for f in files)
+    assert tokens[:100].tobytes() == files[0].read_bytes()[:100]
+    assert len(list(tmp_path.iterdir())) == 1  # one cache file, no temporaries left
+    again = train.load_tokens("", cache_dir=tmp_path)
+    assert again.filename == tokens.filename
+
+
+def test_batches_are_seeded_windows(tmp_path):
+    tokens = np.arange(1000, dtype=np.uint8)
+    a = train.Batches(tokens, 16, 4, seed=3, device=torch.device("cpu"))
+    b = train.Batches(tokens, 16, 4, seed=3, device=torch.device("cpu"))
+    (xa, ya), (xb, yb) = a.next(), b.next()
+    assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert torch.equal(xa[:, 1:], ya[:, :-1])  # targets are inputs shifted by one
+    assert not torch.equal(a.next()[0], xa)
+
+
+def test_data_flag_reads_a_text_folder(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("hello world " * 200)
+    (tmp_path / "d" / "b.txt").write_text("second file " * 200)
+    tokens = train.load_tokens(str(tmp_path / "d"))
+    assert tokens.tobytes() == (("hello world " * 200) + ("second file " * 200)).encode()
+
+
+BAD = [
+    (["--bogus=1"], "unknown flag --bogus"),
+    (["--n_layer=abc"], "--n_layer expects int"),
+    (["--precision=fp64"], "--precision=fp64 is not one of"),
+    (["--ckpt=sometimes"], "--ckpt=sometimes is not one of"),
+    (["--n_head=3"], "n_head=3 does not divide n_embd=64"),
+    (["--n_layer=-1"], "n_layer must be >= 1"),
+    (["--data=/no/such/path"], "no such file or folder"),
+    (["--resume"], "no snapshot at"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, flags, message):
+    out = tmp_path / "out"
+    code = train.main([*TINY, f"--out_dir={out}", *flags])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and err.count("\n") == 1 and err.startswith("error: ")
+    assert not out.exists()  # nothing written
+
+
+@pytest.mark.parametrize("content", ["", "short text"])
+def test_empty_or_short_data_is_rejected(tmp_path, capsys, content):
+    data = tmp_path / "data.txt"
+    data.write_text(content)
+    code = train.main([*TINY, f"--out_dir={tmp_path / 'out'}", f"--data={data}"])
+    assert code == 2 and "data too short" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_from_a_different_model_shape(tmp_path, capsys):
+    run(tmp_path, "--max_iters=1")
+    code = train.main([*TINY, f"--out_dir={tmp_path}", "--n_layer=3", "--resume"])
+    assert code == 2 and "different model: n_layer=2 (now 3)" in capsys.readouterr().err
+
+
+def test_bad_flag_from_the_command_line_exits_2_without_traceback(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--precision=fp64"], capture_output=True,
+                       text=True, cwd=tmp_path)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and r.stderr.strip().startswith("error: --precision=fp64")
+
+
+def test_dtype_table_comes_from_finfo():
+    rows = {r["name"]: r for r in precision.dtype_table()}
+    assert (rows["FP32"]["exponent"], rows["FP32"]["mantissa"]) == (8, 23)
+    assert (rows["FP16"]["exponent"], rows["FP16"]["mantissa"]) == (5, 10)
+    assert (rows["BF16"]["exponent"], rows["BF16"]["mantissa"]) == (8, 7)
+    assert rows["FP8 E4M3"]["max"] == 448 and rows["FP8 E5M2"]["max"] == 57344
+    assert rows["BF16"]["max"] > 1e38 and rows["FP16"]["max"] == 65504  # bf16 keeps fp32's range
