@@ -1,0 +1,194 @@
+"""Benchmarks (not tests): tokens/s, ms/step, MFU and peak memory per precision, per
+recompute policy, and DDP step time with and without no_sync.
+
+Chapter: the "it saves memory *and* speeds up" claims of sections 1-3, measured.
+Read first: `measure_row` (one configuration, timed after warm-up steps).
+This file exists beside train.py because timing many configurations, each in a
+fresh process so that its peak memory is its own, is a job the trainer does not have.
+
+    python bench.py [train.py flags as the base config] [--sections=precision,ckpt,memory,ddp]
+                    [--steps=N] [--warmup=N]
+
+Rows go to the screen as a table and to out_dir/bench.jsonl as one JSON object each.
+Peak memory is CUDA's max_memory_allocated on a GPU and the process's peak RSS on CPU
+(which includes the ~0.3 GB the PyTorch runtime itself takes).
+"""
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import accumulate
+import precision
+import train
+
+HERE = Path(__file__).resolve().parent
+SECTIONS = ("precision", "ckpt", "memory", "ddp")
+
+
+class AutocastReference(precision.MasterWeightOptimizer):
+    """PyTorch's own mixed precision, the reference: FP32 weights, matmuls under torch.autocast."""
+
+    def __init__(self, model, device, **kw):
+        super().__init__(model, "fp32", **kw)
+        self.device_type = device.type
+
+    def forward_context(self):
+        return torch.autocast(self.device_type, dtype=torch.bfloat16)
+
+
+def measure_row(flags, steps, warmup, autocast_reference=False):
+    """Build the config's model, run warm-up steps, then time `steps` optimizer steps."""
+    cfg = train.parse_args(flags)
+    device = train.pick_device(cfg)
+    tokens, _ = train.split_tokens(train.load_tokens(cfg.data), cfg.block_size)
+    model, opt = train.build(cfg, device)
+    if autocast_reference:
+        opt = AutocastReference(model, device, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                betas=(cfg.beta1, cfg.beta2), grad_clip=cfg.grad_clip)
+    batches = train.Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+        micro = [batches.next() for _ in range(cfg.accum)]
+        accumulate.accumulation_step(model, opt, micro, cfg.loss_norm, cfg.no_sync)
+    sync()
+    dt = (time.perf_counter() - t0) / steps
+    tokens_per_s = cfg.batch_size * cfg.accum * cfg.block_size / dt
+    # autocast runs bf16 matmuls, so its MFU is against the bf16 peak
+    peak = train.peak_flops(train.parse_args(flags + ["--precision=bf16"]) if autocast_reference else cfg, device)
+    extra = train.checkpoint.recompute_flops_per_token(model, cfg.ckpt, cfg.ckpt_segment)
+    if device.type == "cuda":
+        peak_mem = torch.cuda.max_memory_allocated(device)
+    else:
+        peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return dict(precision="autocast-bf16" if autocast_reference else cfg.precision, ckpt=cfg.ckpt,
+                tokens_per_s=tokens_per_s, ms_per_step=1000 * dt,
+                mfu=tokens_per_s * model.flops_per_token() / peak if peak else None,
+                hfu=tokens_per_s * (model.flops_per_token() + extra) / peak if peak else None,
+                peak_mem_bytes=peak_mem, device=str(device),
+                config=dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
+                            batch_size=cfg.batch_size, accum=cfg.accum, attn=cfg.attn))
+
+
+def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False):
+    """Each row in a fresh process: CPU peak RSS is a per-process high-water mark."""
+    job = json.dumps(dict(flags=flags, steps=steps, warmup=warmup, autocast_reference=autocast_reference))
+    r = subprocess.run([sys.executable, __file__, "--row", job], capture_output=True, text=True, cwd=HERE)
+    if r.returncode != 0:
+        raise SystemExit(f"bench row {flags} failed:\n{r.stderr.strip()[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def ddp_rows(base, steps):
+    """Step time on 2 processes (gloo on CPU) with accum=4, with and without no_sync."""
+    rows = []
+    for no_sync in ("true", "false"):
+        iters = steps + 2
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+               *base, "--accum=4", f"--no_sync={no_sync}", f"--max_iters={iters}", f"--log_interval={iters}",
+               "--eval_interval=100000", "--sample_tokens=0", "--ledger=false", "--out_dir=out/bench-ddp"]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, env=env)
+        lines = [l for l in r.stdout.splitlines() if " ms/step" in l]
+        if r.returncode != 0 or not lines:
+            raise SystemExit(f"ddp bench failed:\n{r.stderr.strip()[-2000:]}")
+        ms = float(re.search(r"([\d.]+) ms/step", lines[-1]).group(1))
+        tok = float(re.search(r"([\d.]+)k tok/s", lines[-1]).group(1)) * 1e3
+        rows.append(dict(precision=next((a.split("=")[1] for a in base if a.startswith("--precision=")), "bf16"),
+                         ckpt="none", no_sync=no_sync == "true", nproc=2, accum=4, ms_per_step=ms,
+                         tokens_per_s=tok, mfu=None, peak_mem_bytes=None))
+    return rows
+
+
+def fmt(v, kind):
+    if v is None:
+        return "-"
+    return {"mem": f"{v / 2**20:.0f} MiB", "pct": f"{100 * v:.1f}%", "f1": f"{v:,.1f}"}[kind]
+
+
+def main(argv):
+    opts = dict(sections=",".join(SECTIONS), steps="5", warmup="2")
+    base = []
+    for a in argv:
+        key = a[2:].split("=")[0]
+        if key in opts:
+            opts[key] = a.split("=", 1)[1]
+        else:
+            base.append(a)
+    try:
+        cfg = train.parse_args(base)
+        steps, warmup = int(opts["steps"]), int(opts["warmup"])
+        sections = opts["sections"].split(",")
+        bad = [s for s in sections if s not in SECTIONS]
+        if bad or steps < 1 or warmup < 0:
+            raise train.UsageError(f"--sections takes {','.join(SECTIONS)}; --steps >= 1, --warmup >= 0")
+    except (train.UsageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    on_cpu = train.pick_device(cfg).type == "cpu"
+    given = {a.split("=")[0] for a in base}
+    rows = []
+
+    def add(section, flags, **kw):
+        if section == "precision" and "--precision=fp16" in flags and on_cpu:
+            kw = dict(kw, steps=1, warmup=1)  # fp16 matmuls run at ~1 GFLOP/s on CPU: one timed step
+        row = run_row_in_subprocess(base + flags, kw.get("steps", steps), kw.get("warmup", warmup),
+                                    kw.get("autocast_reference", False))
+        row["section"] = section
+        rows.append(row)
+        print(f"{section:9} {row['precision']:13} {row['ckpt']:9} {fmt(row['tokens_per_s'], 'f1'):>12} tok/s "
+              f"{fmt(row['ms_per_step'], 'f1'):>10} ms/step  MFU {fmt(row['mfu'], 'pct'):>6}  "
+              f"HFU {fmt(row.get('hfu'), 'pct'):>6}  peak {fmt(row['peak_mem_bytes'], 'mem'):>9}", flush=True)
+        return row
+
+    print(f"{'section':9} {'precision':13} {'ckpt':9} {'tokens/s':>18} {'ms/step':>18}")
+    if "precision" in sections:
+        for p in ("fp32", "bf16", "fp16", "fp8"):
+            add("precision", [f"--precision={p}"])
+        add("precision", ["--precision=fp32"], autocast_reference=True)
+    if "ckpt" in sections:
+        prec = [] if "--precision" in given else ["--precision=bf16"]
+        none = None
+        for policy in ("none", "full", "sqrt", "selective"):
+            row = add("ckpt", prec + [f"--ckpt={policy}", "--attn=manual"])
+            none = none or row
+            row["time_vs_none"] = row["ms_per_step"] / none["ms_per_step"]
+            print(f"{'':9} {'':13} {policy:9} time x{row['time_vs_none']:.2f} of none")
+    if "memory" in sections:
+        # a config where activations dominate: long context, bigger micro-batch
+        shape = ["--block_size=1024", "--batch_size=16"]
+        prec = [] if "--precision" in given else ["--precision=bf16"]
+        for policy in ("none", "selective", "sqrt", "full"):
+            add("memory", prec + shape + [f"--ckpt={policy}", "--attn=manual"], steps=2, warmup=1)
+    if "ddp" in sections:
+        for row in ddp_rows(base, steps):
+            row["section"] = "ddp"
+            rows.append(row)
+            print(f"ddp       {row['precision']:13} no_sync={str(row['no_sync']):5} nproc 2 accum 4 "
+                  f"{row['ms_per_step']:10.1f} ms/step {row['tokens_per_s']:12,.0f} tok/s", flush=True)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "bench.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, out / "bench.jsonl")
+    print(f"wrote {len(rows)} rows to {out / 'bench.jsonl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--row":
+        job = json.loads(sys.argv[2])
+        print(json.dumps(measure_row(job["flags"], job["steps"], job["warmup"], job["autocast_reference"])))
+        sys.exit(0)
+    sys.exit(main(sys.argv[1:]))
