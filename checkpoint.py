@@ -22,7 +22,7 @@ blocks, about +33% of a step (forward 1 unit of work, backward 2).
 Model save/resume is called a *snapshot* in this project (train.py), never a checkpoint.
 """
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -59,6 +59,18 @@ def _set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def _autocast_state(device):
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return dict(device_type=device.type, dtype=torch.get_autocast_dtype(device.type),
+                cache_enabled=torch.is_autocast_cache_enabled())
+
+
+def _autocast(state):
+    """The forward's autocast region again (or leave autocast as it is, if it had none)."""
+    return torch.autocast(**state) if state else nullcontext()
+
+
 class Recompute(torch.autograd.Function):
     """y = fn(*args) without saving fn's internals; backward re-runs fn and differentiates it.
 
@@ -77,6 +89,7 @@ class Recompute(torch.autograd.Function):
         tensors = [a for a in args if torch.is_tensor(a)]
         ctx.device = tensors[0].device if tensors else torch.device("cpu")
         ctx.rng = _rng_state(ctx.device)  # so dropout draws the same masks when re-run
+        ctx.autocast = _autocast_state(ctx.device)  # backward runs outside the caller's autocast
         ctx.save_for_backward(*tensors)  # the only activations this unit keeps
         with torch.no_grad():
             return fn(*args)
@@ -84,18 +97,23 @@ class Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         saved = iter(ctx.saved_tensors)
-        inputs = []
+        inputs = []  # fresh leaves to differentiate
         for is_tensor, arg in zip(ctx.is_tensor, ctx.non_tensors):
             if is_tensor:
                 t = next(saved)
-                arg = t.detach().requires_grad_(t.requires_grad)  # a fresh leaf to differentiate
+                arg = t.detach().requires_grad_(t.requires_grad)
             inputs.append(arg)
-        # re-run with the forward's RNG state, then put the backward's own RNG state back
+        # re-run with the forward's RNG state and autocast state, then put the backward's
+        # own RNG state back: the caller's random stream must not notice the re-run
         outer_rng = _rng_state(ctx.device)
         _set_rng_state(ctx.rng, ctx.device)
         try:
-            with torch.enable_grad(), _recomputing():
-                outputs = ctx.fn(*inputs)
+            with torch.enable_grad(), _recomputing(), _autocast(ctx.autocast):
+                # fn gets non-leaf aliases of the leaves: module hooks (FlopCounterMode's
+                # module tracker, for one) look up their inputs' autograd node, which the
+                # engine refuses to do for a leaf inside autograd.grad
+                outputs = ctx.fn(*(x.view_as(x) if torch.is_tensor(x) and x.requires_grad else x
+                                   for x in inputs))
         finally:
             _set_rng_state(outer_rng, ctx.device)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -166,15 +184,17 @@ def _run_group(group, x):
 def recompute_flops_per_token(model, policy, segment=0):
     """Forward FLOPs per token that recomputation adds: counted in HFU, not in MFU.
 
-    A recomputed block runs its forward once more: 2 FLOPs per block parameter per token
-    (its matmuls) plus the attention core's QK^T and @V, 2 x 2*s*h per token per layer.
+    A recomputed block runs its forward once more: 2 FLOPs (a multiply and an add) per
+    matmul weight per token, plus the attention core's QK^T and @V, 2 x 2*s*h per token
+    per layer. Biases and LayerNorms are elementwise work, not counted (nor does
+    FlopCounterMode count them; the tests hold this function to its count).
     `selective` re-runs the attention core only. (Every block is recomputed for full
     and sqrt alike: sqrt keeps fewer inputs, not fewer re-runs.)
     """
     c = model.cfg
     attention_core = 4 * c.n_layer * c.block_size * c.n_embd
     if policy in ("full", "sqrt"):
-        return 2 * sum(p.numel() for p in model.h.parameters()) + attention_core
+        return 2 * sum(p.numel() for p in model.h.parameters() if p.dim() >= 2) + attention_core
     if policy == "selective":
         return attention_core
     return 0

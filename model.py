@@ -157,9 +157,13 @@ class GPT(nn.Module):
         return logits, loss
 
     def flops_per_token(self):
-        """Model FLOPs per token for forward + backward (PaLM appendix B form): 6N + 12 L h s."""
+        """Model FLOPs per token for forward + backward (PaLM appendix B): 6 per matmul
+        weight (2 forward, 4 backward) plus the attention core's 12 * L * h * s.
+        Matmul weights are the 2-D parameters except wpe, which is a lookup; wte counts
+        once, as the output head. Biases and LayerNorms are elementwise, not counted."""
         c = self.cfg
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
+        matmul_params = sum(p.numel() for p in self.parameters() if p.dim() == 2) - self.wpe.weight.numel()
+        return 6 * matmul_params + 12 * c.n_layer * c.n_embd * c.block_size
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):

@@ -178,3 +178,15 @@ def test_dtype_table_comes_from_finfo():
     assert (rows["BF16"]["exponent"], rows["BF16"]["mantissa"]) == (8, 7)
     assert rows["FP8 E4M3"]["max"] == 448 and rows["FP8 E5M2"]["max"] == 57344
     assert rows["BF16"]["max"] > 1e38 and rows["FP16"]["max"] == 65504  # bf16 keeps fp32's range
+
+
+def test_model_flops_formula_equals_counted_flops():
+    # MFU's numerator: 6 x matmul weights + 12 L h s per token, counted by PyTorch for one
+    # step of the manual attention (whose matmuls are ordinary ops the counter sees)
+    from torch.utils.flop_counter import FlopCounterMode
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64, attn="manual"))
+    x = torch.randint(0, 256, (2, 64))
+    with FlopCounterMode(display=False) as counter:
+        model(x, x)[1].backward()
+    assert counter.get_total_flops() == model.flops_per_token() * x.numel()

@@ -1,0 +1,499 @@
+"""Activation checkpointing (checkpoint.py): exact gradients, the RNG, FLOPs, saved bytes.
+
+torch.utils.checkpoint (use_reentrant=False) is the oracle here, never the implementation.
+Everything runs in FP32 (or BF16) on CPU, where recompute must be bit-exact: the re-run
+forward does the same ops on the same inputs with the same dropout masks.
+"""
+import math
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+import accumulate
+import checkpoint
+import precision
+from model import GPT, GPTConfig, run_blocks_in_order
+
+B, T = 2, 32
+SMALL = dict(block_size=T, n_layer=4, n_head=2, n_embd=32)
+# (policy, ckpt_segment): sqrt with 3 blocks per unit over 4 layers leaves an uneven last unit
+POLICIES = [("full", 0), ("sqrt", 0), ("sqrt", 3), ("selective", 0)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tensors are tiny: one thread beats two fighting over two busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(policy="none", segment=0, dtype=torch.float32, **cfg):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**SMALL, **cfg})).to(dtype)
+    return checkpoint.apply_policy(model, policy, segment)
+
+
+def batch(vocab=256, seed=1, b=B, t=T):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (b, t), generator=g), torch.randint(0, vocab, (b, t), generator=g)
+
+
+def train_step(model, x, y, seed=123):
+    """One forward+backward. Returns loss, {name: grad}, and the RNG state before and after backward."""
+    torch.manual_seed(seed)
+    _, loss = model(x, y)
+    rng_after_forward = torch.get_rng_state()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return loss.detach(), grads, rng_after_forward, torch.get_rng_state()
+
+
+def apply_oracle(model, policy, segment=0):
+    """The same recompute units as apply_policy, with torch.utils.checkpoint doing the work."""
+    checkpoint.apply_policy(model, "none")
+    if policy in ("full", "sqrt"):
+        units = checkpoint.segments(len(model.h), policy, segment)
+
+        def run(blocks, x):
+            for unit in units:
+                x = torch_checkpoint(run_blocks_in_order, [blocks[i] for i in unit], x, use_reentrant=False)
+            return x
+        model.block_runner = run
+    elif policy == "selective":
+        for block in model.h:
+            block.attn.core_runner = lambda fn, *a: torch_checkpoint(fn, *a, use_reentrant=False)
+    return model
+
+
+def assert_same(a, b):
+    """Loss and every parameter gradient equal, bit for bit."""
+    assert torch.equal(a[0], b[0]), f"loss {a[0].item()!r} != {b[0].item()!r}"
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        ga, gb = a[1][name], b[1][name]
+        assert ga is not None and gb is not None, name
+        assert ga.dtype == gb.dtype and torch.equal(ga, gb), \
+            f"{name}: max |diff| {(ga.float() - gb.float()).abs().max().item():.3g}"
+
+
+# ---------------------------------------------------------------- exactness
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("policy,segment", POLICIES)
+def test_gradients_equal_none_and_torch_checkpoint(policy, segment, dropout):
+    x, y = batch()
+    ref = train_step(make_model("none", dropout=dropout), x, y)
+    ours = train_step(make_model(policy, segment, dropout=dropout), x, y)
+    oracle = train_step(apply_oracle(make_model(dropout=dropout), policy, segment), x, y)
+    assert_same(ours, ref)
+    assert_same(ours, oracle)
+    # backward must not disturb the caller's random stream: the RNG after backward is where
+    # the forward left it, as in the none run (the re-run draws from a restored copy)
+    assert torch.equal(ours[2], ref[2]) and torch.equal(ours[3], ref[3])
+    assert torch.equal(ours[3], ours[2])
+    if dropout:  # and the masks really are random: another seed gives another loss
+        other = train_step(make_model(policy, segment, dropout=dropout), x, y, seed=7)
+        assert not torch.equal(other[0], ours[0])
+
+
+@pytest.mark.parametrize("policy,segment", [("full", 0), ("sqrt", 0), ("selective", 0)])
+def test_recomputed_dropout_masks_equal_the_forward_masks(policy, segment, monkeypatch):
+    p = 0.5
+    masks = []  # (recomputing?, which positions were dropped)
+    dropout = F.dropout
+
+    def recording_dropout(input, p=0.5, training=True, inplace=False):
+        out = dropout(input, p, training, inplace)
+        masks.append((checkpoint.is_recomputing(), out == 0))
+        return out
+    monkeypatch.setattr(F, "dropout", recording_dropout)  # nn.Dropout and model.core both call F.dropout
+    model = make_model(policy, segment, dropout=p)
+    x, y = batch()
+    train_step(model, x, y)
+    forward = [m for r, m in masks if not r]
+    rerun = [m for r, m in masks if r]
+    # forward order: embedding dropout, then (core, resid, mlp) per block
+    per_block = [forward[1 + 3 * i: 4 + 3 * i] for i in range(len(model.h))]
+    if policy == "selective":
+        expected = [per_block[i][0] for i in reversed(range(len(model.h)))]  # the core alone, last block first
+    else:
+        units = checkpoint.segments(len(model.h), policy, segment)
+        expected = [m for unit in reversed(units) for i in unit for m in per_block[i]]
+    assert len(forward) == 1 + 3 * len(model.h) and len(rerun) == len(expected)
+    for got, want in zip(rerun, expected):
+        assert torch.equal(got, want)
+    # the comparison means something: masks drop about p of the values and differ from block to block
+    resid = [blk[1] for blk in per_block]
+    assert 0.4 < resid[0].float().mean().item() < 0.6
+    assert not torch.equal(resid[0], resid[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("policy,segment", [("full", 0), ("sqrt", 0), ("selective", 0)])
+def test_16bit_params_gradients_equal_none(policy, segment, dtype):
+    x, y = batch()
+    ref = train_step(make_model("none", dtype=dtype, dropout=0.1), x, y)
+    ours = train_step(make_model(policy, segment, dtype=dtype, dropout=0.1), x, y)
+    assert ours[1]["h.0.mlp.c_fc.weight"].dtype == dtype
+    assert_same(ours, ref)
+
+
+def test_autocast_region_is_recomputed_under_autocast():
+    # forward under autocast, backward outside it (the usual pattern): the re-run must
+    # still run in BF16, or its activations, and so the gradients, would differ
+    x, y = batch()
+
+    def step(model):
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    ref = step(make_model("none"))
+    assert_same(step(make_model("full")), ref)
+    assert_same(step(make_model("selective")), ref)
+
+
+@pytest.mark.parametrize("precision_name,policy", [("fp32", "full"), ("fp32", "sqrt"), ("bf16", "full")])
+def test_accumulation_steps_equal_none(precision_name, policy):
+    dtype = precision.param_dtype(precision_name)
+    micro = [batch(seed=s, b=1) for s in range(3)]  # K = 3
+
+    def run(policy):
+        model = make_model(policy, dtype=dtype, dropout=0.1)
+        opt = precision.MasterWeightOptimizer(model, precision_name, lr=1e-2,
+                                              fp32_grad_accum=precision_name != "fp32")
+        torch.manual_seed(5)
+        losses = [accumulate.accumulation_step(model, opt, micro)[0] for _ in range(2)]
+        return losses, [p.detach().clone() for p in model.parameters()]
+    (ref_losses, ref_params), (losses, params) = run("none"), run(policy)
+    assert losses == ref_losses and losses[1] < losses[0]
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+
+
+def test_ddp_no_sync_accumulation_equals_none():
+    """Under DDP every parameter's gradient must reach its reducer hook exactly once per
+    backward, through the Recompute node; with no_sync the earlier micro-steps skip it."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        micro = [batch(seed=s, b=1) for s in range(2)]
+        results = []
+        for policy in ("none", "full"):
+            model = make_model(policy)
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            opt = precision.MasterWeightOptimizer(model, "fp32", lr=1e-2)
+            loss = accumulate.accumulation_step(ddp, opt, micro, use_no_sync=True)[0]
+            results.append((loss, [p.detach().clone() for p in model.parameters()]))
+    finally:
+        dist.destroy_process_group()
+    assert results[0][0] == results[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+# ---------------------------------------------------------------- recompute() on its own
+
+def grads_of(fn, args, leaves, runner):
+    for t in leaves:
+        t.grad = None
+    torch.manual_seed(0)
+    out = runner(fn, *args)
+    out.sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+def ours(fn, *args, params=()):
+    return checkpoint.recompute(fn, *args, params=params)
+
+
+def oracle(fn, *args):
+    return torch_checkpoint(fn, *args, use_reentrant=False)
+
+
+def direct(fn, *args):
+    return fn(*args)
+
+
+def test_recompute_non_tensor_args_and_params():
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    seen = []
+
+    def fn(x, scale, act, bias, mode):
+        seen.append(checkpoint.is_recomputing())
+        h = act(F.dropout(x @ w, 0.3) * scale)
+        return h + 1.0 if (bias is None and mode == "plus") else h
+
+    args = (x, 0.5, torch.tanh, None, "plus")
+    want = grads_of(fn, args, [x, w], direct)
+    for runner in (lambda f, *a: ours(f, *a, params=[w]), oracle):
+        got = grads_of(fn, args, [x, w], runner)
+        assert torch.equal(got[0], want[0])
+        assert all(torch.equal(g, r) for g, r in zip(got[1], want[1]))
+    assert seen[:3] == [False, False, True]  # direct, our forward, our re-run (then the oracle's)
+
+
+def test_recompute_input_that_does_not_require_grad():
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)  # data, not a parameter: no gradient wanted
+
+    def fn(x):
+        return (x @ w).sin()
+
+    want = grads_of(fn, (x,), [w], direct)
+    got = grads_of(fn, (x,), [w], lambda f, *a: ours(f, *a, params=[w]))
+    assert torch.equal(got[1][0], want[1][0]) and x.grad is None
+    # nothing requires grad at all: no graph, and nothing to recompute
+    out = checkpoint.recompute(lambda x: x * 2, x)
+    assert not out.requires_grad and torch.equal(out, x * 2)
+
+
+def test_recompute_tuple_output_with_an_unused_output():
+    torch.manual_seed(0)
+    x = torch.randn(5, requires_grad=True)
+
+    def fn(x):
+        return x.exp(), x.cos()
+
+    a, _ = checkpoint.recompute(fn, x)
+    a.sum().backward()
+    assert torch.equal(x.grad, x.detach().exp())
+
+
+# ---------------------------------------------------------------- policies
+
+def test_segments():
+    assert checkpoint.segments(4, "full") == [[0], [1], [2], [3]]
+    assert checkpoint.segments(9, "sqrt") == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert checkpoint.segments(4, "sqrt", 3) == [[0, 1, 2], [3]]
+    assert checkpoint.segments(2, "sqrt", 5) == [[0, 1]]
+    assert checkpoint.segments(4, "none") == [] and checkpoint.segments(4, "selective") == []
+
+
+def test_bad_policies_raise():
+    with pytest.raises(ValueError, match="attn=manual"):
+        make_model("selective", attn="sdpa")
+    with pytest.raises(ValueError, match="none|full|sqrt|selective"):
+        make_model("every_other")
+    with pytest.raises(ValueError, match="ckpt_segment"):
+        make_model("sqrt", segment=-1)
+    make_model("full", attn="sdpa")  # whole blocks recompute fine around sdpa
+
+
+# ---------------------------------------------------------------- FLOPs
+
+def step_flops(model, x, y):
+    with FlopCounterMode(display=False) as counter:
+        train_step(model, x, y)
+    return counter.get_total_flops()
+
+
+def test_recompute_flops():
+    x, y = batch()
+    models = {p: make_model(p) for p in ("none", "full", "sqrt", "selective")}
+    total = {p: step_flops(m, x, y) for p, m in models.items()}
+    m = models["none"]
+    # the blocks alone: one forward, and one forward + backward
+    h = torch.randn(B, T, SMALL["n_embd"], requires_grad=True)
+    with FlopCounterMode(display=False) as fwd:
+        with torch.no_grad():
+            run_blocks_in_order(m.h, h)
+    with FlopCounterMode(display=False) as fwd_bwd:
+        run_blocks_in_order(m.h, h).sum().backward()
+    blocks_fwd, blocks_fwd_bwd = fwd.get_total_flops(), fwd_bwd.get_total_flops()
+    assert blocks_fwd_bwd == 3 * blocks_fwd  # backward of a matmul is two matmuls of its size
+    # the attention core alone (QK^T and @V), times the layers
+    q, k, v = torch.randn(3, B, SMALL["n_head"], T, SMALL["n_embd"] // SMALL["n_head"]).unbind(0)
+    with FlopCounterMode(display=False) as core:
+        m.h[0].attn.core(q, k, v)
+    core_flops = SMALL["n_layer"] * core.get_total_flops()
+    assert core_flops == SMALL["n_layer"] * 2 * (2 * B * T * T * SMALL["n_embd"])
+
+    for policy in ("full", "sqrt"):  # every block re-runs once: one more forward of the blocks
+        assert total[policy] - total["none"] == blocks_fwd
+        assert (total[policy] - total["none"]) * 3 == blocks_fwd_bwd  # +33% of the blocks' work
+    assert total["selective"] - total["none"] == core_flops
+    step_ratio = (total["full"] - total["none"]) / total["none"]
+    assert 0.25 < step_ratio < 1 / 3  # the embedding/head, not recomputed, dilute the 33%
+    for policy in ("none", "full", "sqrt", "selective"):  # HFU's extra term is the counted extra
+        per_token = checkpoint.recompute_flops_per_token(models[policy], policy)
+        assert per_token * B * T == total[policy] - total["none"], policy
+
+
+# ---------------------------------------------------------------- saved activations
+
+class SavedBytes:
+    """Count the bytes autograd saves for backward, by storage, while the context is open.
+
+    A storage is counted once however many tensors (views) of it are saved; parameters
+    are not activations and are left out. `total` adds a storage each time it starts
+    being held; `live` follows what saved-tensor slots still hold (a node's saved
+    tensors are dropped when backward has run it, or when a recompute's inner graph
+    is freed), and `peak` is the most `live` ever was. Enter it around the forward
+    and again around the backward: the recompute's re-run forward saves through it too.
+    """
+
+    def __init__(self, params=()):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.total = self.live = self.peak = 0
+        self._holders = {}  # storage pointer -> how many saved-tensor slots hold it
+
+    def _pack(self, t):
+        storage = t.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if key in self.params or nbytes == 0:
+            return t
+        if self._holders.get(key, 0) == 0:
+            self.total += nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self._holders[key] = self._holders.get(key, 0) + 1
+        held = _Held(t)  # keeps the storage alive (so its pointer stays unique) until autograd drops it
+        weakref.finalize(held, self._release, key, nbytes)
+        return held
+
+    def _release(self, key, nbytes):
+        self._holders[key] -= 1
+        if self._holders[key] == 0:
+            self.live -= nbytes
+
+    @staticmethod
+    def _unpack(held):
+        return held.t if isinstance(held, _Held) else held
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class _Held:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
+
+
+LAYERS = (4, 9, 16, 25)
+MEM = dict(vocab_size=16, block_size=16, n_head=2, n_embd=16)  # tiny, so the head does not dominate
+MB = 2
+
+
+@pytest.fixture(scope="module")
+def saved():
+    """{policy: {L: (forward bytes, backward re-run bytes, peak live bytes)}}."""
+    out = {}
+    x, y = batch(vocab=MEM["vocab_size"], b=MB, t=MEM["block_size"])
+    for policy in ("none", "full", "sqrt", "selective"):
+        out[policy] = {}
+        for L in LAYERS:
+            model = make_model(policy, n_layer=L, **MEM)
+            counter = SavedBytes(model.parameters())
+            with counter:
+                _, loss = model(x, y)
+            forward = counter.total
+            with counter:
+                loss.backward()
+            assert counter.live == 0  # everything saved was released by the end of backward
+            out[policy][L] = (forward, counter.total - forward, counter.peak)
+    return out
+
+
+def fit(xs, ys):
+    """Least-squares line through (xs, ys): slope, intercept, largest residual."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / sum((a - mx) ** 2 for a in xs)
+    icpt = my - slope * mx
+    return slope, icpt, max(abs(b - (slope * a + icpt)) for a, b in zip(xs, ys))
+
+
+def exponent(xs, ys):
+    return fit([math.log(a) for a in xs], [math.log(b) for b in ys])[0]
+
+
+INPUT = MB * MEM["block_size"] * MEM["n_embd"] * 4  # one block input, (B, T, h) FP32
+
+
+def test_saved_bytes_none_grows_linearly(saved):
+    fwd = [saved["none"][L][0] for L in LAYERS]
+    per_layer, rest, err = fit(LAYERS, fwd)
+    assert err < 1e-6 * fwd[-1] and per_layer > 10 * INPUT  # a block keeps far more than its input
+    assert 0.95 < exponent(LAYERS, fwd) <= 1.0
+    assert all(saved["none"][L][1] == 0 for L in LAYERS)  # nothing re-run
+    assert all(saved["none"][L][2] == saved["none"][L][0] for L in LAYERS)  # peak: end of forward
+
+
+def test_saved_bytes_full_one_input_per_layer_plus_one_live_block(saved):
+    per_layer, rest, _ = fit(LAYERS, [saved["none"][L][0] for L in LAYERS])
+    for L in LAYERS:
+        forward, rerun, peak = saved["full"][L]
+        # the forward keeps exactly one block input per layer, beside what none keeps outside the blocks
+        assert forward == round(rest) + L * INPUT
+        # backward re-runs every block once; each re-run saves a block's internals, its
+        # input already being held (so none's per-layer bytes less one input)
+        assert rerun == L * (per_layer - INPUT)
+        # at the peak, the L inputs and one block's internals are live: never two blocks
+        one_block = peak - L * INPUT
+        assert per_layer - INPUT <= one_block < per_layer
+    slope, _, err = fit(LAYERS, [saved["full"][L][2] for L in LAYERS])
+    assert slope == pytest.approx(INPUT) and err < 1e-6 * INPUT
+
+
+def test_saved_bytes_sqrt_grows_as_sqrt_L(saved):
+    per_layer, rest, _ = fit(LAYERS, [saved["none"][L][0] for L in LAYERS])
+    for L in LAYERS:
+        k = math.isqrt(L)  # L is a square, so L/k = k units of k blocks
+        forward, rerun, peak = saved["sqrt"][L]
+        assert forward == round(rest) + k * INPUT  # one input per unit: sqrt(L) of them
+        segment = rerun // k  # what one unit's re-run saves: k blocks, less its held input
+        assert rerun == k * segment and segment == k * per_layer - INPUT
+        assert 0 <= peak - (k * INPUT + segment) < INPUT  # k inputs + one live unit
+    peaks = [saved["sqrt"][L][2] for L in LAYERS]
+    assert 0.45 < exponent(LAYERS, peaks) < 0.55
+    _, _, err = fit([math.sqrt(L) for L in LAYERS], peaks)
+    assert err < 1e-6 * peaks[-1]  # exactly a line in sqrt(L)
+
+
+def test_saved_bytes_selective_drops_the_attention_matrix(saved):
+    c = MEM
+    softmax = MB * c["n_head"] * c["block_size"] ** 2 * 4  # (B, heads, T, T) FP32 probabilities
+    causal_mask = c["block_size"] ** 2  # the (T, T) bool mask masked_fill keeps
+    none_per_layer = fit(LAYERS, [saved["none"][L][0] for L in LAYERS])[0]
+    sel_per_layer, _, err = fit(LAYERS, [saved["selective"][L][0] for L in LAYERS])
+    assert err < 1e-6 * saved["selective"][LAYERS[-1]][0]
+    assert none_per_layer - sel_per_layer == pytest.approx(softmax + causal_mask)
+    for L in LAYERS:
+        assert saved["selective"][L][2] < saved["none"][L][2]
+
+
+def test_saved_bytes_equal_the_memory_ledger_formulas(saved):
+    import memory_ledger  # its formulas are derived from model.py's ops; here both are held to the bytes
+    for policy in saved:
+        for L in LAYERS:
+            shape = memory_ledger.Shape(L=L, h=MEM["n_embd"], a=MEM["n_head"], s=MEM["block_size"], b=MB,
+                                        V=MEM["vocab_size"], precision="fp32", ckpt=policy)
+            assert saved[policy][L][0] == memory_ledger.activation_bytes(shape), (policy, L)
+
+
+@pytest.mark.parametrize("policy", ["full", "sqrt", "selective"])
+def test_no_grad_evaluation_equals_none(policy):
+    # estimate_loss and generate run the policy's model under no_grad: same logits, no graph
+    x, _ = batch()
+    with torch.no_grad():
+        want, _ = make_model("none", dropout=0.1).eval()(x)
+        got, _ = make_model(policy, dropout=0.1).eval()(x)
+    assert torch.equal(got, want) and not got.requires_grad
