@@ -8,6 +8,10 @@ Each micro-step runs forward and backward on one micro-batch; gradients add up i
 `.grad` (or in FP32 buffers, see precision.py); after K of them the optimizer steps
 once. The loss is divided so that the summed gradient is the gradient of the mean loss
 over the whole effective batch, exactly as if it had been one big batch.
+
+Under DDP the first K-1 micro-steps run inside `no_sync()`, so gradients are all-reduced
+once per optimizer step (one all-reduce per DDP bucket) instead of K times.
+tests/test_accumulate.py checks both against a one-process big-batch run.
 """
 from contextlib import nullcontext
 
@@ -48,14 +52,19 @@ def accumulation_step(model, optimizer, micro_batches, loss_norm="mean", use_no_
     K = len(micro_batches)
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     if loss_norm == "tokens":
-        counts = [int((y != IGNORE_INDEX).sum()) for _, y in micro_batches]
-        total = torch.tensor(float(sum(counts)))
+        # each micro-batch's loss is a mean over its own valid tokens; times its count it
+        # becomes a sum, and over the global count the step's gradient is the per-token mean
+        counts = torch.stack([(y != IGNORE_INDEX).sum() for _, y in micro_batches])
+        total = counts.sum()  # int64 on the batch's device: NCCL reduces only device tensors
         world = 1
-        if ddp:  # DDP averages over ranks, so weight by this rank's share of the global count
+        if ddp:  # DDP averages over ranks (divides by world), so scale by world / global count
             dist.all_reduce(total)
             world = dist.get_world_size()
-        weights = [c * world / total.item() for c in counts]
-        log_weights = [c / sum(counts) for c in counts]  # this rank's token-weighted mean, for the log
+        counts, total = counts.tolist(), total.item()  # one host sync for all of them
+        if total == 0:
+            raise ValueError("loss_norm=tokens: no target differs from IGNORE_INDEX in this optimizer step")
+        weights = [c * world / total for c in counts]
+        log_weights = [c / max(1, sum(counts)) for c in counts]  # this rank's token mean, for the log
     elif loss_norm == "mean":
         weights = log_weights = [1.0 / K] * K
     else:
@@ -72,18 +81,24 @@ def accumulation_step(model, optimizer, micro_batches, loss_norm="mean", use_no_
         with model.no_sync() if skip_sync else nullcontext():
             with optimizer.forward_context():
                 _, loss = model(x, y)
+            # a micro-batch with no valid tokens has a NaN mean loss but a zero gradient
+            # (cross_entropy's backward writes 0 for ignored targets), and weight 0
             optimizer.backward(loss * weights[i])
         if fp32_buffers:
             optimizer.move_grads_to_fp32_buffers()
-        total_loss += loss.item() * log_weights[i]
+        if log_weights[i]:
+            # a tensor, not .item(): on a GPU an .item() per micro-step would stall the queue
+            total_loss = total_loss + loss.detach().float() * log_weights[i]
     if ddp and fp32_buffers:
         all_reduce_mean(optimizer.grad_buffers)
     stepped, grad_norm = optimizer.step()
-    return total_loss, stepped, grad_norm
+    return float(total_loss), stepped, grad_norm
 
 
 def all_reduce_mean(tensors):
-    """Average a list of tensors over ranks with one all-reduce of their flat concatenation."""
+    """Average a list of tensors over ranks with one all-reduce of their flat concatenation.
+    One call instead of one per tensor: per-call latency dominates for small tensors. The
+    concatenation is a transient copy of all of them (DDP does the same per bucket)."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat)
     flat /= dist.get_world_size()

@@ -378,9 +378,9 @@ def setup_distributed():
 
 def train(cfg, log=print):
     """Train for cfg.max_iters optimizer steps; returns the list of per-step records."""
+    accum = resolve_accum(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # bad input fails before any process group
     rank, local_rank, world_size = setup_distributed()
     device = pick_device(cfg, local_rank)
-    accum = resolve_accum(cfg, world_size)
     train_tokens, val_tokens = split_tokens(load_tokens(cfg.data), cfg.block_size)
     model, opt = build(cfg, device, world_size)
     out_dir = Path(cfg.out_dir)
@@ -393,15 +393,21 @@ def train(cfg, log=print):
     if snap is not None:
         model.load_state_dict(snap["model"])
         opt.load_state_dict(snap["optimizer"])
-        batches.gen.set_state(snap["batch_rng"])
-        torch.set_rng_state(snap["torch_rng"])
-        if device.type == "cuda" and "cuda_rng" in snap:
-            torch.cuda.set_rng_state(snap["cuda_rng"], device)
+        if len(snap["rng"]) != world_size:
+            raise UsageError(f"--resume: the snapshot was written by {len(snap['rng'])} ranks, this run has "
+                             f"{world_size}: each rank's data stream is in it")
+        rng = snap["rng"][rank]
+        batches.gen.set_state(rng["batch"])
+        torch.set_rng_state(rng["torch"])
+        if device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], device)
         start_step = snap["step"]
     run_model = model
     if world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
-        run_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+        # broadcast_buffers=False: the only buffers are constant causal masks, no need to resend them
+        run_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None,
+                                            broadcast_buffers=False)
     master = rank == 0
     seqs, tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
     flops_per_token = model.flops_per_token()
@@ -446,8 +452,10 @@ def train(cfg, log=print):
             history[-1]["val_loss"] = val
             t_last = time.perf_counter()  # evaluation is not training time
         last = step + 1 == cfg.max_iters
-        if master and (last or (cfg.snapshot_interval and (step + 1) % cfg.snapshot_interval == 0)):
-            save_snapshot(out_dir / SNAPSHOT, snapshot_state(cfg, model, opt, batches, step + 1, device))
+        if last or (cfg.snapshot_interval and (step + 1) % cfg.snapshot_interval == 0):
+            state = snapshot_state(cfg, model, opt, batches, step + 1, device, world_size)  # every rank: it gathers
+            if master:
+                save_snapshot(out_dir / SNAPSHOT, state)
     if master and cfg.sample_tokens and start_step < cfg.max_iters:
         log("sample:\n" + sample(model, device, cfg.sample_tokens))
     if world_size > 1:
@@ -456,12 +464,19 @@ def train(cfg, log=print):
     return history
 
 
-def snapshot_state(cfg, model, opt, batches, step, device):
-    state = dict(model=model.state_dict(), optimizer=opt.state_dict(), batch_rng=batches.gen.get_state(),
-                 torch_rng=torch.get_rng_state(), step=step, config=dataclasses.asdict(cfg))
+def snapshot_state(cfg, model, opt, batches, step, device, world_size=1):
+    """Everything a bit-identical resume needs. Every rank has its own data and dropout
+    streams, so the snapshot keeps each rank's RNG states (gathered to rank 0)."""
+    rng = dict(batch=batches.gen.get_state(), torch=torch.get_rng_state())
     if device.type == "cuda":
-        state["cuda_rng"] = torch.cuda.get_rng_state(device)
-    return state
+        rng["cuda"] = torch.cuda.get_rng_state(device).cpu()
+    rngs = [rng]
+    if world_size > 1:
+        import torch.distributed as dist
+        rngs = [None] * world_size
+        dist.all_gather_object(rngs, rng)
+    return dict(model=model.state_dict(), optimizer=opt.state_dict(), rng=rngs, step=step,
+                config=dataclasses.asdict(cfg))
 
 
 def report_memory(cfg, model, opt, batch, device, log):
