@@ -91,6 +91,13 @@ def accumulation_step(model, optimizer, micro_batches, loss_norm="mean", use_no_
             total_loss = total_loss + loss.detach().float() * log_weights[i]
     if ddp and fp32_buffers:
         all_reduce_mean(optimizer.grad_buffers)
+    if ddp and optimizer.fp8_modules:
+        # every rank must quantize with the same FP8 scales: fold the max amax over ranks
+        # (one all-reduce for all layers), as Transformer Engine does
+        amax = torch.stack([m.step_amax for m in optimizer.fp8_modules])
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        for m, a in zip(optimizer.fp8_modules, amax):
+            m.step_amax.copy_(a)
     stepped, grad_norm = optimizer.step()
     return float(total_loss), stepped, grad_norm
 

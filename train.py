@@ -356,9 +356,12 @@ def resolve_accum(cfg, world_size):
 
 
 @torch.no_grad()
-def estimate_loss(model, batches, iters):
+def estimate_loss(model, batches, iters, forward_context=nullcontext):
     model.eval()
-    losses = [model(*batches.next())[1].item() for _ in range(iters)]
+    losses = []
+    for _ in range(iters):
+        with forward_context():  # TE's FP8 autocast, so evaluation runs in the precision trained in
+            losses.append(model(*batches.next())[1].item())
     model.train()
     return sum(losses) / len(losses)
 
@@ -431,7 +434,9 @@ def train(cfg, log=print):
         history.append(dict(step=step + 1, loss=loss, stepped=stepped, grad_norm=grad_norm,
                             loss_scale=opt.scaler.loss_scale))
         if master and step == start_step and cfg.ledger:
+            t_ledger = time.perf_counter()
             report_memory(cfg, model, opt, micro[0], device, log)
+            t_last += time.perf_counter() - t_ledger  # a one-off measurement, not training time
         if master and ((step + 1) % cfg.log_interval == 0 or step + 1 == cfg.max_iters):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -447,7 +452,7 @@ def train(cfg, log=print):
             t_last, tokens_since = time.perf_counter(), 0
         if master and (step + 1) % cfg.eval_interval == 0:
             val = estimate_loss(model, Batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.seed, device),
-                                cfg.eval_iters)
+                                cfg.eval_iters, opt.forward_context)
             log(f"step {step + 1:5d} | val loss {val:.4f}")
             history[-1]["val_loss"] = val
             t_last = time.perf_counter()  # evaluation is not training time
@@ -481,10 +486,7 @@ def snapshot_state(cfg, model, opt, batches, step, device, world_size=1):
 
 def report_memory(cfg, model, opt, batch, device, log):
     """Once, after the first step: the memory ledger's prediction next to a measurement."""
-    try:
-        import memory_ledger
-    except ImportError:
-        return
+    import memory_ledger  # here, not at the top: memory_ledger imports train for its config
     log(memory_ledger.summary_after_first_step(cfg, model, opt, batch, device))
 
 
