@@ -62,7 +62,7 @@ ledger: $(DEPS)
 gpu-check: $(DEPS)
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		$(PY) -m pytest -q -m cuda tests && $(PY) memory_ledger.py --device=cuda $(FLAGS) \
-		&& $(PY) bench.py --device=cuda $(FLAGS); \
+		&& $(PY) bench.py --device=cuda --sections=precision,ckpt,memory,fp8wide $(FLAGS); \
 	else echo "gpu-check: no CUDA device here; nothing to check (the CPU suite is 'make test')"; fi
 
 clean:

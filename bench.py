@@ -2,11 +2,11 @@
 recompute policy, and DDP step time with and without no_sync.
 
 Chapter: the "it saves memory *and* speeds up" claims of sections 1-3, measured.
-Read first: `measure_row` (one configuration, timed after warm-up steps).
+Read first: `measure_row` (one configuration: the median step after warm-up steps).
 This file exists beside train.py because timing many configurations, each in a
 fresh process so that its peak memory is its own, is a job the trainer does not have.
 
-    python bench.py [train.py flags as the base config] [--sections=precision,ckpt,memory,ddp]
+    python bench.py [train.py flags as the base config] [--sections=precision,ckpt,memory,ddp,fp8wide]
                     [--steps=N] [--warmup=N]
 
 Rows go to the screen as a table and to out_dir/bench.jsonl as one JSON object each.
@@ -29,7 +29,8 @@ import precision
 import train
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("precision", "ckpt", "memory", "ddp")
+SECTIONS = ("precision", "ckpt", "memory", "ddp", "fp8wide")
+DEFAULT_SECTIONS = "precision,ckpt,memory,ddp"  # fp8wide is for GPUs (make gpu-check): far too slow on CPU
 
 
 class AutocastReference(precision.MasterWeightOptimizer):
@@ -54,16 +55,18 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
                                 betas=(cfg.beta1, cfg.beta2), grad_clip=cfg.grad_clip)
     batches = train.Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
     for i in range(warmup + steps):
-        if i == warmup:
-            sync()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
+        if i == warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         micro = [batches.next() for _ in range(cfg.accum)]
+        sync()
+        t0 = time.perf_counter()
         accumulate.accumulation_step(model, opt, micro, cfg.loss_norm, cfg.no_sync)
-    sync()
-    dt = (time.perf_counter() - t0) / steps
+        sync()
+        times.append(time.perf_counter() - t0)
+    # the median step: a shared 2-core machine adds outliers that a mean would report as speed
+    dt = sorted(times[warmup:])[steps // 2]
     tokens_per_s = cfg.batch_size * cfg.accum * cfg.block_size / dt
     # autocast runs bf16 matmuls, so its MFU is against the bf16 peak
     peak = train.peak_flops(train.parse_args(flags + ["--precision=bf16"]) if autocast_reference else cfg, device)
@@ -96,15 +99,16 @@ def ddp_rows(base, steps):
     for no_sync in ("true", "false"):
         iters = steps + 2
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-               *base, "--accum=4", f"--no_sync={no_sync}", f"--max_iters={iters}", f"--log_interval={iters}",
+               *base, "--accum=4", f"--no_sync={no_sync}", f"--max_iters={iters}", "--log_interval=1",
                "--eval_interval=100000", "--sample_tokens=0", "--ledger=false", "--out_dir=out/bench-ddp"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, env=env)
-        lines = [l for l in r.stdout.splitlines() if " ms/step" in l]
+        lines = [l for l in r.stdout.splitlines() if " ms/step" in l][2:]  # one line per step; 2 warm-up
         if r.returncode != 0 or not lines:
             raise SystemExit(f"ddp bench failed:\n{r.stderr.strip()[-2000:]}")
-        ms = float(re.search(r"([\d.]+) ms/step", lines[-1]).group(1))
-        tok = float(re.search(r"([\d.]+)k tok/s", lines[-1]).group(1)) * 1e3
+        ms = sorted(float(re.search(r"([\d.]+) ms/step", l).group(1)) for l in lines)[len(lines) // 2]
+        tokens_per_step = int(re.search(r"= (\d+) tokens per optimizer step", r.stdout).group(1))
+        tok = tokens_per_step / (ms / 1000)
         rows.append(dict(precision=next((a.split("=")[1] for a in base if a.startswith("--precision=")), "bf16"),
                          ckpt="none", no_sync=no_sync == "true", nproc=2, accum=4, ms_per_step=ms,
                          tokens_per_s=tok, mfu=None, peak_mem_bytes=None))
@@ -118,7 +122,7 @@ def fmt(v, kind):
 
 
 def main(argv):
-    opts = dict(sections=",".join(SECTIONS), steps="5", warmup="2")
+    opts = dict(sections=DEFAULT_SECTIONS, steps="9", warmup="2")
     base = []
     for a in argv:
         key = a[2:].split("=")[0]
@@ -171,6 +175,13 @@ def main(argv):
         prec = [] if "--precision" in given else ["--precision=bf16"]
         for policy in ("none", "selective", "sqrt", "full"):
             add("memory", prec + shape + [f"--ckpt={policy}", "--attn=manual"], steps=2, warmup=1)
+    if "fp8wide" in sections:
+        # FP8 pays where the Linears' matmuls dominate: width 2048, as on an H100-class GPU
+        wide = ["--n_embd=2048", "--n_head=16", "--block_size=1024", "--batch_size=8", "--attn=sdpa"]
+        bf16 = add("fp8wide", wide + ["--precision=bf16"])
+        fp8 = add("fp8wide", wide + ["--precision=fp8"])
+        fp8["speedup_vs_bf16"] = fp8["tokens_per_s"] / bf16["tokens_per_s"]
+        print(f"{'':9} fp8 / bf16 tokens/s = {fp8['speedup_vs_bf16']:.2f}x")
     if "ddp" in sections:
         for row in ddp_rows(base, steps):
             row["section"] = "ddp"

@@ -180,7 +180,6 @@ def block_activation_terms(sh, policy="none"):
               ("sdpa-math dropout output (fp32)", a * s * s * b * 4), ("sdpa-math V copy (fp32)", bsh * 4)]
     else:
         # flash / memory-efficient sdpa: q, k, v (views of c_attn's output), the output,
-        # and the FP32 log-sum-exp per (b, a, s) row; no s^2 tensor at all
         # and the FP32 log-sum-exp per (b, a, s) row; no s^2 tensor at all. The kernels write
         # their output in (b, s, a, d) layout, so y.transpose(1, 2).contiguous() copies nothing
         # and c_proj's input is that same storage: one bsh term, not two.

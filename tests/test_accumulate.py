@@ -334,3 +334,15 @@ def test_torchrun_resume_keeps_one_data_stream_per_rank(ddp_train, data_file, tm
     h0, h1 = (torch.load(tmp_path / f"train-rank{rank}.pt", weights_only=False)["history"] for rank in range(WORLD))
     assert [h["step"] for h in h0] == [4, 5]
     assert all(a["loss"] != b["loss"] for a, b in zip(h0, h1)), (h0, h1)
+
+
+def test_torchrun_fp8_scales_are_the_same_on_every_rank(data_file, tmp_path):
+    """Each rank sees other data, so other amaxes; the max over ranks keeps one set of FP8 scales."""
+    args = TRAIN_ARGS + [f"--data={data_file}", f"--out_dir={tmp_path}", "--precision=fp8", "--accum=2"]
+    r = torchrun([WORKER, "train", tmp_path, "--", *args])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    p0, p1 = (torch.load(tmp_path / f"train-rank{rank}.pt", weights_only=False)["params"] for rank in range(WORLD))
+    histories = [k for k in p0 if k.endswith("amax_history")]
+    assert histories and all(p0[k][0, :2].gt(0).all() for k in histories)  # input and weight amax recorded
+    for k in p0:
+        assert torch.equal(p0[k], p1[k]), k  # weights, amax histories and scales alike
