@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import accumulate
+import memory_ledger
 import precision
 import train
 
@@ -75,11 +76,14 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
         peak_mem = torch.cuda.max_memory_allocated(device)
     else:
         peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    # what autograd keeps for backward after the forward, from the ledger's formula (which its
+    # tests hold to the measured saved-tensor bytes): the activation memory a policy saves
+    activations = memory_ledger.activation_bytes(memory_ledger.Shape.from_config(cfg, device=device.type))
     return dict(precision="autocast-bf16" if autocast_reference else cfg.precision, ckpt=cfg.ckpt,
                 tokens_per_s=tokens_per_s, ms_per_step=1000 * dt,
                 mfu=tokens_per_s * model.flops_per_token() / peak if peak else None,
                 hfu=tokens_per_s * (model.flops_per_token() + extra) / peak if peak else None,
-                peak_mem_bytes=peak_mem, device=str(device),
+                peak_mem_bytes=peak_mem, activation_bytes=activations, device=str(device),
                 config=dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
                             batch_size=cfg.batch_size, accum=cfg.accum, attn=cfg.attn))
 
@@ -88,6 +92,8 @@ def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False):
     """Each row in a fresh process: CPU peak RSS is a per-process high-water mark."""
     job = json.dumps(dict(flags=flags, steps=steps, warmup=warmup, autocast_reference=autocast_reference))
     r = subprocess.run([sys.executable, __file__, "--row", job], capture_output=True, text=True, cwd=HERE)
+    if r.returncode == 2:  # bad input, already one line
+        raise train.UsageError(r.stderr.strip().removeprefix("error: "))
     if r.returncode != 0:
         raise SystemExit(f"bench row {flags} failed:\n{r.stderr.strip()[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -122,25 +128,36 @@ def fmt(v, kind):
 
 
 def main(argv):
+    try:
+        return run_sections(argv)
+    except train.UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run_sections(argv):
     opts = dict(sections=DEFAULT_SECTIONS, steps="9", warmup="2")
     base = []
     for a in argv:
-        key = a[2:].split("=")[0]
+        key, eq, value = a[2:].partition("=")
         if key in opts:
-            opts[key] = a.split("=", 1)[1]
+            if not eq:
+                raise train.UsageError(f"--{key} needs a value: --{key}=...")
+            opts[key] = value
         else:
             base.append(a)
+    cfg = train.parse_args(base)
     try:
-        cfg = train.parse_args(base)
         steps, warmup = int(opts["steps"]), int(opts["warmup"])
-        sections = opts["sections"].split(",")
-        bad = [s for s in sections if s not in SECTIONS]
-        if bad or steps < 1 or warmup < 0:
-            raise train.UsageError(f"--sections takes {','.join(SECTIONS)}; --steps >= 1, --warmup >= 0")
-    except (train.UsageError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    on_cpu = train.pick_device(cfg).type == "cpu"
+    except ValueError:
+        raise train.UsageError(f"--steps and --warmup take integers, got {opts['steps']!r}, {opts['warmup']!r}")
+    sections = opts["sections"].split(",")
+    if any(s not in SECTIONS for s in sections) or steps < 1 or warmup < 0:
+        raise train.UsageError(f"--sections takes {','.join(SECTIONS)}; --steps >= 1, --warmup >= 0")
+    device = train.pick_device(cfg)
+    train.split_tokens(train.load_tokens(cfg.data), cfg.block_size)  # bad data fails here, not in a row
+    on_cpu = device.type == "cpu"
+    fp8_error = precision.fp8_matmul_error(device)
     given = {a.split("=")[0] for a in base}
     rows = []
 
@@ -153,12 +170,16 @@ def main(argv):
         rows.append(row)
         print(f"{section:9} {row['precision']:13} {row['ckpt']:9} {fmt(row['tokens_per_s'], 'f1'):>12} tok/s "
               f"{fmt(row['ms_per_step'], 'f1'):>10} ms/step  MFU {fmt(row['mfu'], 'pct'):>6}  "
-              f"HFU {fmt(row.get('hfu'), 'pct'):>6}  peak {fmt(row['peak_mem_bytes'], 'mem'):>9}", flush=True)
+              f"HFU {fmt(row.get('hfu'), 'pct'):>6}  peak {fmt(row['peak_mem_bytes'], 'mem'):>9}  "
+              f"activations {fmt(row['activation_bytes'], 'mem'):>9}", flush=True)
         return row
 
     print(f"{'section':9} {'precision':13} {'ckpt':9} {'tokens/s':>18} {'ms/step':>18}")
     if "precision" in sections:
         for p in ("fp32", "bf16", "fp16", "fp8"):
+            if p == "fp8" and fp8_error:
+                print(f"precision fp8: skipped, {fp8_error}")
+                continue
             add("precision", [f"--precision={p}"])
         add("precision", ["--precision=fp32"], autocast_reference=True)
     if "ckpt" in sections:
@@ -175,7 +196,9 @@ def main(argv):
         prec = [] if "--precision" in given else ["--precision=bf16"]
         for policy in ("none", "selective", "sqrt", "full"):
             add("memory", prec + shape + [f"--ckpt={policy}", "--attn=manual"], steps=2, warmup=1)
-    if "fp8wide" in sections:
+    if "fp8wide" in sections and fp8_error:
+        print(f"fp8wide: skipped, {fp8_error}")
+    elif "fp8wide" in sections:
         # FP8 pays where the Linears' matmuls dominate: width 2048, as on an H100-class GPU
         wide = ["--n_embd=2048", "--n_head=16", "--block_size=1024", "--batch_size=8", "--attn=sdpa"]
         bf16 = add("fp8wide", wide + ["--precision=bf16"])
@@ -190,9 +213,7 @@ def main(argv):
                   f"{row['ms_per_step']:10.1f} ms/step {row['tokens_per_s']:12,.0f} tok/s", flush=True)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "bench.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, out / "bench.jsonl")
+    train.write_atomically(out / "bench.jsonl", lambda fh: fh.write("".join(json.dumps(r) + "\n" for r in rows).encode()))
     print(f"wrote {len(rows)} rows to {out / 'bench.jsonl'}")
     return 0
 
@@ -200,6 +221,10 @@ def main(argv):
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--row":
         job = json.loads(sys.argv[2])
-        print(json.dumps(measure_row(job["flags"], job["steps"], job["warmup"], job["autocast_reference"])))
+        try:
+            print(json.dumps(measure_row(job["flags"], job["steps"], job["warmup"], job["autocast_reference"])))
+        except train.UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
         sys.exit(0)
     sys.exit(main(sys.argv[1:]))

@@ -163,7 +163,7 @@ def apply_policy(model, policy, segment=0):
             for unit in units:
                 group = [blocks[i] for i in unit]
                 params = [p for b in group for p in b.parameters()]
-                x = recompute(_run_group, group, x, params=params)
+                x = recompute(run_blocks_in_order, group, x, params=params)
             return x
         model.block_runner = run_segments
     elif policy == "selective":
@@ -173,12 +173,6 @@ def apply_policy(model, policy, segment=0):
         for block in model.h:
             block.attn.core_runner = recompute  # the core has no parameters: q, k, v are its inputs
     return model
-
-
-def _run_group(group, x):
-    for block in group:
-        x = block(x)
-    return x
 
 
 def recompute_flops_per_token(model, policy, segment=0):

@@ -62,8 +62,10 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.core_runner = run_directly  # checkpoint.py's selective policy replaces this
         if cfg.attn == "manual":
-            mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
-            self.register_buffer("causal_mask", mask.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
+            # True above the diagonal: the future positions a token must not attend to. Stored
+            # inverted once, so masked_fill's saved mask is a view of this buffer, not a new s^2 tensor
+            future = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool).triu(1)
+            self.register_buffer("future_mask", future.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
 
     def core(self, q, k, v):
         """softmax(QK^T / sqrt(d)) V for (B, heads, T, d) tensors, causal."""
@@ -74,7 +76,7 @@ class CausalSelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         T = q.size(-2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(~self.causal_mask[:, :, :T, :T], float("-inf"))
+        att = att.masked_fill(self.future_mask[:, :, :T, :T], float("-inf"))
         att = F.softmax(att, dim=-1)  # the (B, heads, T, T) tensor the chapter talks about
         att = F.dropout(att, p, training=self.training)
         return att @ v

@@ -134,6 +134,20 @@ def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
     return out[0] if isinstance(out, tuple) else out  # torch < 2.5 returned (out, amax)
 
 
+def fp8_matmul_error(device):
+    """None where torch._scaled_mm runs on `device`, else why not (older torch on CPU,
+    GPUs before sm89): one tiny E4M3 matmul tells."""
+    if E4M3 is None:
+        return f"torch {torch.__version__} has no float8 dtypes"
+    try:
+        a = torch.zeros(16, 16, device=device).to(E4M3)
+        one = torch.ones((), device=device)
+        scaled_mm(a, a.t(), one, one)
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        return f"torch._scaled_mm does not run on {device} with torch {torch.__version__} ({str(e).splitlines()[0][:80]})"
+    return None
+
+
 def column_major(t):
     """The same matrix laid out column-major (what _scaled_mm wants for its second operand)."""
     return t.t().contiguous().t()

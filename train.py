@@ -12,7 +12,6 @@ Model save/resume is a *snapshot* here (checkpoint.py is activation checkpointin
 """
 import dataclasses
 import hashlib
-import json
 import math
 import os
 import sys
@@ -146,8 +145,8 @@ def parse_args(argv):
         precision.LossScaler.from_config(cfg.loss_scale, cfg.precision)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if cfg.ckpt == "selective" and cfg.attn != "manual":
-        raise UsageError("--ckpt=selective recomputes the manual attention core; use --attn=manual")
+    if cfg.total_batch_tokens and cfg.accum != 1:
+        raise UsageError("give --accum or --total_batch_tokens (which derives accum), not both")
     return cfg
 
 
@@ -194,11 +193,7 @@ def load_tokens(data, cache_dir=HERE / "data_cache"):
     cache = Path(cache_dir) / f"stdlib-{key}.u8"
     if not cache.exists():
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "wb") as fh:
-            for f in files:
-                fh.write(f.read_bytes())
-        os.replace(tmp, cache)  # atomic: a crash leaves no half-written cache
+        write_atomically(cache, lambda fh: fh.writelines(f.read_bytes() for f in files))
     return np.memmap(cache, dtype=np.uint8, mode="r")
 
 
@@ -232,11 +227,10 @@ class Batches:
 
 # ---------------------------------------------------------------- device, peak FLOPs, memory
 
-CUDA_PEAK_TFLOPS = {  # dense, per GPU: (name fragment, {precision: TFLOP/s}); fp32 means TF32 tensor cores
-    "H200": {"fp32": 494, "bf16": 989, "fp16": 989, "fp8": 1979},
-    "H100": {"fp32": 494, "bf16": 989, "fp16": 989, "fp8": 1979},
-    "A100": {"fp32": 156, "bf16": 312, "fp16": 312, "fp8": 312},
-    "L4": {"fp32": 60, "bf16": 121, "fp16": 121, "fp8": 242},
+CUDA_PEAK_TFLOPS = {  # dense, per GPU (SXM parts), TFLOP/s. fp32 is plain FP32: TF32 is not enabled here
+    "H200": {"fp32": 67, "bf16": 989, "fp16": 989, "fp8": 1979},
+    "H100": {"fp32": 67, "bf16": 989, "fp16": 989, "fp8": 1979},
+    "A100": {"fp32": 19.5, "bf16": 312, "fp16": 312, "fp8": 312},  # no FP8 units: fp8 runs as bf16
 }
 
 
@@ -245,21 +239,24 @@ def peak_flops(cfg, device):
     if cfg.peak_flops > 0:
         return cfg.peak_flops
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
+        words = torch.cuda.get_device_name(device).replace("-", " ").split()
         for key, table in CUDA_PEAK_TFLOPS.items():
-            if key in name:
+            if key in words:
                 return table[cfg.precision] * 1e12
         return 0.0  # unknown GPU: MFU not shown
-    # CPU: time a square matmul in the parameter dtype (fp8's matmuls are measured as bf16)
+    # CPU: time the kernel the model's Linears run (x @ W^T + b) in the parameter dtype, at
+    # a size past cache effects. fp8's matmuls are measured as bf16, its backward's dtype.
+    # (A square `a @ a` in fp16 takes a far slower path on CPU than addmm does.)
     dtype = precision.param_dtype(cfg.precision)
-    n = 256 if dtype == torch.float16 else 1024  # fp16 matmuls crawl on CPU
-    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype)  # leaves the global RNG alone
+    n = 512 if dtype == torch.float16 else 1024  # fp16 matmuls crawl on CPU
+    gen = torch.Generator().manual_seed(0)  # leaves the global RNG alone
+    x, w, b = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((2048, n), (n, n), (n,)))
     best = float("inf")
-    for _ in range(8):  # the best of several: the machine's peak, not its noise
+    for _ in range(5):  # the best of several: the machine's peak, not its noise
         t0 = time.perf_counter()
-        a @ a
+        torch.nn.functional.linear(x, w, b)
         best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+    return 2 * 2048 * n * n / best
 
 
 def memory_now(device):
@@ -278,27 +275,45 @@ def memory_now(device):
 
 # ---------------------------------------------------------------- snapshots (save/resume)
 
-def save_snapshot(path, state):
-    """torch.save to a temporary file, fsync, then rename over the old one: a crash
-    mid-write leaves the previous snapshot intact, never a broken one."""
+def write_atomically(path, write):
+    """write(fh) into a temporary file beside `path`, fsync, then rename it over `path`:
+    a crash mid-write leaves the previous file intact (or none), never a half-written one."""
     path = Path(path)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        torch.save(state, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def load_snapshot(path, cfg):
+def save_snapshot(path, state):
+    write_atomically(path, lambda fh: torch.save(state, fh))
+
+
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "precision")
+
+
+def read_snapshot(path):
     path = Path(path)
     if not path.exists():
         raise UsageError(f"no snapshot at {path} to resume or sample from; train first")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data, no code
     except Exception as e:  # a foreign or damaged file
-        raise UsageError(f"--resume: cannot read {path}: {type(e).__name__}") from None
-    shape = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "precision")}
+        raise UsageError(f"cannot read snapshot {path}: {type(e).__name__}") from None
+
+
+def load_snapshot(path, cfg):
+    """The snapshot at path, if it was written by a model of cfg's shape."""
+    state = read_snapshot(path)
+    keys = list(SHAPE_KEYS)
+    if cfg.precision == "fp8":  # the FP8 state (TE's or our amax history) has its own shape
+        keys += ["fp8_backend", "fp8_amax_history"]
+    shape = {k: getattr(cfg, k) for k in keys}
     saved = {k: state.get("config", {}).get(k) for k in shape}
     if saved != shape:
         diff = ", ".join(f"{k}={saved[k]} (now {shape[k]})" for k in shape if saved[k] != shape[k])
@@ -327,7 +342,7 @@ def pick_device(cfg, local_rank=0):
     return torch.device("cpu")
 
 
-def build(cfg, device=None, world_size=1):
+def build(cfg, device=None):
     """Model (in its precision, with its recompute policy) and its optimizer, for cfg.
     Shared by the loop, bench.py, memory_ledger.py and the tests."""
     device = device or pick_device(cfg)
@@ -335,13 +350,16 @@ def build(cfg, device=None, world_size=1):
         torch.manual_seed(cfg.seed)
         model = GPT(model_config(cfg), linear_factory=precision.linear_factory(cfg))
         model.to(device=device, dtype=precision.param_dtype(cfg.precision))
+        if cfg.precision == "fp8" and cfg.fp8_backend == "native" and (why := precision.fp8_matmul_error(device)):
+            raise ValueError(f"precision=fp8 with fp8_backend=native: {why}")
         checkpoint.apply_policy(model, cfg.ckpt, cfg.ckpt_segment)
         scaler = precision.LossScaler.from_config(cfg.loss_scale, cfg.precision, cfg.loss_scale_hysteresis)
-    except ValueError as e:
+        opt = precision.MasterWeightOptimizer(model, cfg.precision, lr=cfg.learning_rate,
+                                              weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
+                                              grad_clip=cfg.grad_clip, loss_scaler=scaler,
+                                              fp32_grad_accum=cfg.fp32_grad_accum)
+    except ValueError as e:  # also AdamW's own checks (betas in [0, 1), a finite lr)
         raise UsageError(str(e)) from None
-    opt = precision.MasterWeightOptimizer(model, cfg.precision, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                          betas=(cfg.beta1, cfg.beta2), grad_clip=cfg.grad_clip, loss_scaler=scaler,
-                                          fp32_grad_accum=cfg.fp32_grad_accum)
     return model, opt
 
 
@@ -366,26 +384,28 @@ def estimate_loss(model, batches, iters, forward_context=nullcontext):
     return sum(losses) / len(losses)
 
 
-def setup_distributed():
-    """(rank, local_rank, world_size); initialises the process group under torchrun."""
-    if "RANK" not in os.environ:
-        return 0, 0, 1
-    import torch.distributed as dist
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend)
-    return dist.get_rank(), local_rank, dist.get_world_size()
-
-
 def train(cfg, log=print):
-    """Train for cfg.max_iters optimizer steps; returns the list of per-step records."""
+    """Train for cfg.max_iters optimizer steps; returns the list of per-step records.
+    Under torchrun (RANK set) this is one rank of a DistributedDataParallel run:
+    NCCL between GPUs, gloo between CPU processes."""
     accum = resolve_accum(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # bad input fails before any process group
-    rank, local_rank, world_size = setup_distributed()
+    if "RANK" not in os.environ:
+        return train_loop(cfg, log, accum, 0, pick_device(cfg), 1)
+    import torch.distributed as dist
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(cfg, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    try:
+        return train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size())
+    finally:
+        dist.destroy_process_group()
+
+
+def train_loop(cfg, log, accum, rank, device, world_size):
+    model, opt = build(cfg, device)  # first: a bad model config fails before data is read
     train_tokens, val_tokens = split_tokens(load_tokens(cfg.data), cfg.block_size)
-    model, opt = build(cfg, device, world_size)
     out_dir = Path(cfg.out_dir)
     start_step, snap = 0, None
     if cfg.resume:
@@ -394,8 +414,11 @@ def train(cfg, log=print):
     batches = Batches(train_tokens, cfg.block_size, cfg.batch_size, cfg.seed + 1 + rank, device)
     torch.manual_seed(cfg.seed + 1000 + rank)  # dropout's stream, distinct per rank
     if snap is not None:
-        model.load_state_dict(snap["model"])
-        opt.load_state_dict(snap["optimizer"])
+        try:
+            model.load_state_dict(snap["model"])
+            opt.load_state_dict(snap["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:  # a snapshot that does not fit this model
+            raise UsageError(f"--resume: snapshot does not fit this run: {str(e).splitlines()[0]}") from None
         if len(snap["rng"]) != world_size:
             raise UsageError(f"--resume: the snapshot was written by {len(snap['rng'])} ranks, this run has "
                              f"{world_size}: each rank's data stream is in it")
@@ -408,8 +431,10 @@ def train(cfg, log=print):
     run_model = model
     if world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
-        # broadcast_buffers=False: the only buffers are constant causal masks, no need to resend them
-        run_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None,
+        # broadcast_buffers=False: DDP would otherwise copy rank 0's buffers over every rank's
+        # at each forward: the causal masks are constant, and FP8's per-step amax must stay
+        # each rank's own until accumulate.py takes the max over ranks
+        run_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                             broadcast_buffers=False)
     master = rank == 0
     seqs, tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
@@ -441,10 +466,11 @@ def train(cfg, log=print):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t_last
-            tok_s = tokens_since / dt
+            tok_s = tokens_since / dt  # all ranks together
             n_steps = tokens_since // tokens_per_step
-            mfu = f"{100 * tok_s * flops_per_token / peak:.1f}%" if peak else "n/a"
-            hfu = f"{100 * tok_s * hw_flops_per_token / peak:.1f}%" if peak else "n/a"
+            per_device = tok_s / world_size  # MFU compares one device's work with one device's peak
+            mfu = f"{100 * per_device * flops_per_token / peak:.1f}%" if peak else "n/a"
+            hfu = f"{100 * per_device * hw_flops_per_token / peak:.1f}%" if peak else "n/a"
             mem_text, _ = memory_now(device)
             log(f"step {step + 1:5d} | loss {loss:.4f} | lr {lr_at(cfg, step):.2e} | {1000 * dt / n_steps:7.1f} ms/step"
                 f" | {tok_s / 1e3:7.1f}k tok/s | MFU {mfu} HFU {hfu} | mem {mem_text}"
@@ -463,9 +489,6 @@ def train(cfg, log=print):
                 save_snapshot(out_dir / SNAPSHOT, state)
     if master and cfg.sample_tokens and start_step < cfg.max_iters:
         log("sample:\n" + sample(model, device, cfg.sample_tokens))
-    if world_size > 1:
-        import torch.distributed as dist
-        dist.destroy_process_group()
     return history
 
 
@@ -487,7 +510,11 @@ def snapshot_state(cfg, model, opt, batches, step, device, world_size=1):
 def report_memory(cfg, model, opt, batch, device, log):
     """Once, after the first step: the memory ledger's prediction next to a measurement."""
     import memory_ledger  # here, not at the top: memory_ledger imports train for its config
-    log(memory_ledger.summary_after_first_step(cfg, model, opt, batch, device))
+    try:
+        log(memory_ledger.summary_after_first_step(cfg, model, opt, batch, device))
+    except torch.cuda.OutOfMemoryError:  # it measures on a copy of the model: room for one, not two
+        torch.cuda.empty_cache()
+        log("memory ledger: skipped, no room for its copy of the model (run memory_ledger.py on its own)")
 
 
 @torch.no_grad()
@@ -503,8 +530,12 @@ def sample(model, device, n_tokens, prompt=b"def "):
 
 
 def sample_from_snapshot(cfg):
+    """Print a sample from out_dir/snapshot.pt, with the model shape it was trained with."""
     device = pick_device(cfg)
-    snap = load_snapshot(Path(cfg.out_dir) / SNAPSHOT, cfg)
+    snap = read_snapshot(Path(cfg.out_dir) / SNAPSHOT)
+    saved = snap.get("config", {})
+    cfg = dataclasses.replace(cfg, **{k: saved[k] for k in (*SHAPE_KEYS, "attn", "fp8_backend", "fp8_recipe",
+                                                             "fp8_amax_history") if k in saved})
     model, _ = build(cfg, device)
     model.load_state_dict(snap["model"])
     print(sample(model, device, cfg.sample_tokens or 200))

@@ -102,7 +102,7 @@ def run_grads(out, rank, world):
     results = {}
     for name, case in CASES.items():
         cfg = tiny_config(**case["cfg"])
-        model, opt = train.build(cfg, torch.device("cpu"), world)
+        model, opt = train.build(cfg, torch.device("cpu"))
         # a small bucket cap gives several buckets even for this tiny model
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
         counter, grads, rec = [0], [], dict(grads=[], params=[], allreduces=[], buckets=[])
@@ -120,7 +120,7 @@ def run_grads(out, rank, world):
         results[name] = rec
     # the claim in accumulate.py's comment: no_sync around the backward only is not enough
     cfg = tiny_config()
-    model, opt = train.build(cfg, torch.device("cpu"), world)
+    model, opt = train.build(cfg, torch.device("cpu"))
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
     counter = [0]
     count_allreduces(ddp, counter)

@@ -55,26 +55,12 @@ def test_bf16_params_and_fp32_master_after_steps(tmp_path):
     assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
 
 
-def test_master_copy_keeps_updates_too_small_for_bf16():
-    # a weight of 1.0 in bf16 has ulp 2^-7: AdamW steps of ~1e-4 round away in bf16
-    w16 = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
-    model = torch.nn.Module()
-    model.w = w16
-    opt = precision.MasterWeightOptimizer(model, "bf16", lr=1e-4, weight_decay=0.0, grad_clip=0.0)
-    naive = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))  # bf16 AdamW, no master copy
-    naive_opt = torch.optim.AdamW([naive], lr=1e-4, weight_decay=0.0)
-    for _ in range(100):
-        w16.grad = torch.ones(4, dtype=torch.bfloat16)
-        opt.step()
-        naive.grad = torch.ones(4, dtype=torch.bfloat16)
-        naive_opt.step()
-    assert torch.equal(naive.detach(), torch.ones(4, dtype=torch.bfloat16))  # every update was lost
-    assert abs(opt.master_params[0][0].item() - (1 - 100e-4)) < 1e-5  # the master copy kept them all
-    assert w16[0].item() < 1.0  # and the bf16 weight now shows them
-
-
-def test_resume_is_bit_identical(tmp_path):
-    flags = ["--max_iters=12", "--lr_decay_iters=12", "--dropout=0.1", "--precision=bf16", "--accum=2"]
+@pytest.mark.parametrize("prec", ["bf16", "fp16", "fp8"])
+def test_resume_is_bit_identical(tmp_path, prec):
+    # fp16 resumes its loss scaler, fp8 its amax histories and scales (model buffers)
+    flags = ["--max_iters=12", "--lr_decay_iters=12", "--dropout=0.1", f"--precision={prec}", "--accum=2"]
+    if prec == "fp16":
+        flags += ["--loss_scale_hysteresis=2"]
     straight = run(tmp_path / "a", *flags)
     first = run(tmp_path / "b", *flags[1:], "--max_iters=6")
     resumed = run(tmp_path / "b", *flags, "--resume")
@@ -136,6 +122,10 @@ BAD = [
     (["--n_layer=-1"], "n_layer must be >= 1"),
     (["--data=/no/such/path"], "no such file or folder"),
     (["--resume"], "no snapshot at"),
+    (["--beta1=1.5"], "beta parameter at index 0"),
+    (["--accum=2", "--total_batch_tokens=1024"], "not both"),
+    (["--ckpt=selective", "--attn=sdpa"], "use attn=manual"),
+    (["--precision=fp8", "--n_embd=72", "--n_head=2"], "divisible by 16"),
 ]
 
 
@@ -164,11 +154,25 @@ def test_resume_from_a_different_model_shape(tmp_path, capsys):
     assert code == 2 and "different model: n_layer=2 (now 3)" in capsys.readouterr().err
 
 
+def test_resume_with_another_fp8_history_length(tmp_path, capsys):
+    run(tmp_path, "--max_iters=1", "--precision=fp8")
+    code = train.main([*TINY, f"--out_dir={tmp_path}", "--precision=fp8", "--fp8_amax_history=4", "--resume"])
+    assert code == 2 and "fp8_amax_history=16 (now 4)" in capsys.readouterr().err
+
+
+def test_sample_uses_the_snapshot_shape(tmp_path, capsys):
+    # trained as fp32 with 2 layers; `make sample` passes no flags, so the defaults differ
+    run(tmp_path, "--max_iters=2", "--precision=fp32")
+    assert train.main(["--sample_only", f"--out_dir={tmp_path}", "--sample_tokens=20"]) == 0
+    assert len(capsys.readouterr().out) > 20
+
+
 def test_bad_flag_from_the_command_line_exits_2_without_traceback(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--precision=fp64"], capture_output=True,
-                       text=True, cwd=tmp_path)
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--precision=fp64", "--out_dir=o"],
+                       capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2
-    assert "Traceback" not in r.stderr and r.stderr.strip().startswith("error: --precision=fp64")
+    assert r.stderr.startswith("error: --precision=fp64") and r.stderr.count("\n") == 1  # one line, no traceback
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_dtype_table_comes_from_finfo():
