@@ -13,7 +13,8 @@ Words used throughout:
   b micro-batch, s context (block_size), h width (n_embd), a heads, L layers, V vocab,
   P parameter count, e bytes per activation element (4 for fp32, 2 for bf16/fp16/fp8).
   "activations" = the bytes autograd holds for backward once the forward has finished
-  (distinct storages saved for backward, parameters excluded). Under recompute that is
+  (distinct storages saved for backward; parameter and buffer storages excluded: a saved
+  view of a parameter or buffer, like the causal mask, costs nothing new). Under recompute that is
   only the units' inputs; the internals of one unit come back during backward and are
   counted in the *peak*, not in "activations".
   "peak" = the most bytes alive at any moment of a steady-state step (optimizer states
@@ -26,7 +27,7 @@ import copy
 import math
 import os
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -66,13 +67,14 @@ class Shape:
     fp32_grad_accum: bool = False
     device: str = "cpu"  # cpu|cuda: a few saved dtypes differ by device (see block_activation_terms)
     fp8_history: int = 16  # precision.FP8Linear's amax history length (fp8 only)
+    fp8_backend: str = "native"  # native (measured here) | te (Transformer Engine: formula only)
 
     @classmethod
     def from_config(cls, cfg, device="cpu", **over):
         shape = cls(L=cfg.n_layer, h=cfg.n_embd, a=cfg.n_head, s=cfg.block_size, b=cfg.batch_size, V=256,
                     bias=cfg.bias, dropout=cfg.dropout, attn=cfg.attn, precision=cfg.precision, ckpt=cfg.ckpt,
                     segment=cfg.ckpt_segment, fp32_grad_accum=cfg.fp32_grad_accum, device=str(device).split(":")[0],
-                    fp8_history=cfg.fp8_amax_history)
+                    fp8_history=cfg.fp8_amax_history, fp8_backend=cfg.fp8_backend)
         return replace(shape, **over)
 
 
@@ -107,9 +109,13 @@ def state_bytes(sh):
                           per tensor, which torch keeps on the CPU (so a CUDA ledger leaves it out)
     So fp32 is 4+4+0+8 = 16 bytes/param, and bf16/fp16 2+2+4+8 = 16 bytes/param: mixed
     precision does not shrink the states (ZeRO paper, sec. 3.1), it shrinks activations and time.
-    buffers     L*s^2 bytes of causal masks for attn=manual (bool (1,1,s,s) per block), 0 for sdpa;
-                fp8 adds, per FP8Linear (4 per block), FP32 amax_history (H, 3), scale (3,),
-                step_amax (3,) and fp8_max (3,): 12H + 36 bytes (see precision.FP8Linear).
+    fp8 is 2+2+4+8 as well (BF16 parameters, FP32 master), plus `fp8_weights` below.
+    buffers     L*s^2 bytes of future masks for attn=manual (bool (1,1,s,s) per block, model.py's
+                `future_mask`; masked_fill saves a view of it, so it is never an activation), 0 for
+                sdpa; fp8 (native) adds, per FP8Linear (4 per block), FP32 amax_history (H, 3),
+                scale (3,), step_amax (3,) and fp8_max (3,): 12H + 36 bytes (see precision.FP8Linear).
+    fp8_weights the persistent FP8 weight copies: see fp8_weight_copies (0 for native; Transformer
+                Engine's cached E4M3 weight + transpose, formula only).
     """
     P, n_tensors = param_count(sh)
     e = act_bytes(sh.precision)
@@ -119,7 +125,33 @@ def state_bytes(sh):
                 master=4 * P if low else 0,
                 optimizer=8 * P + (4 * n_tensors if sh.device == "cpu" else 0),
                 buffers=(sh.L * sh.s * sh.s if sh.attn == "manual" else 0)
-                + (sh.L * 4 * (12 * sh.fp8_history + 36) if sh.precision == "fp8" else 0))
+                + (sh.L * 4 * (12 * sh.fp8_history + 36) if sh.precision == "fp8" and sh.fp8_backend == "native"
+                   else 0),
+                fp8_weights=fp8_weight_copies(sh)[0])
+
+
+def fp8_weight_copies(sh):
+    """(persistent, transient) bytes of FP8 weight copies beyond the BF16 parameters ("FP8's extra
+    weight copies"). The FP8 Linears are the 4 per block: c_attn 3h*h, c_proj h*h, c_fc 4h*h and
+    the MLP c_proj h*4h, 12h^2 weights per block; the tied head and the embeddings stay BF16.
+
+    native (precision.FP8Linear): no persistent FP8 weight. Each forward quantizes W afresh:
+      an FP32 temporary of W (4*out*in bytes) and then its E4M3 copy (out*in bytes), both freed
+      once the matmul has run. Transient: at most one Linear's, the largest (4h^2 weights):
+      5 * 4h^2 = 20h^2 bytes on top of whatever else is alive in that forward (or recompute).
+      Measured: these are the allocations of the forward; they never outlive it.
+    te (Transformer Engine's Linear): keeps, per Linear, its E4M3 weight and the transposed
+      E4M3 copy its backward GEMM wants, cached across steps: 2 * 12h^2 * L bytes, alive always
+      (like a parameter). FORMULA ONLY: the ledger does not measure TE (main rejects
+      --fp8_backend=te), and TE's own amax/scale state and cuBLAS workspace are not counted.
+    Not fp8: (0, 0).
+    """
+    if sh.precision != "fp8":
+        return 0, 0
+    w = 12 * sh.h * sh.h * sh.L
+    if sh.fp8_backend == "te":
+        return 2 * w, 0
+    return 0, 5 * 4 * sh.h * sh.h
 
 
 def bytes_per_param(precision_name, fp32_grad_accum=False):
@@ -149,13 +181,15 @@ def block_activation_terms(sh, policy="none"):
     Derived from the ops in model.py, and checked against saved_tensors_hooks by the tests:
       LayerNorm saves its input and its mean/rstd;  Linear (addmm) saves its input;
       matmul on the (B, a, T, d) head views makes contiguous copies and saves those;
-      masked_fill saves the mask, ~causal_mask[:T, :T], one (1,1,s,s) bool per block;
+      masked_fill saves its mask, future_mask[:, :, :T, :T]: a view of the block's buffer, whose
+        storage is counted once under "buffers" (state_bytes), so no term here;
       softmax saves its output; GELU saves its input; dropout saves its mask.
     policy "selective": the attention core runs inside checkpoint.Recompute, which saves
       only q, k, v (three views of c_attn's output: one 3bsh storage) and nothing inside.
     Differences from Korthikanti et al. (see korthikanti_layer_terms): the paper drops the
-    LayerNorm statistics and our s^2 mask; it counts "Q and K" and "V" as 4sbh + 2sbh,
-    which here are the copies matmul makes, so the totals agree.
+    LayerNorm statistics (we keep 2 x 2bs of them per block); it counts "Q and K" and "V" as
+    4sbh + 2sbh, which here are the copies matmul makes, so the totals agree. The causal mask
+    is in neither: here it is a buffer (state, L*s^2 bytes for the model), not an activation.
     fp8: every Linear (precision.FP8Linear) saves its input as E4M3, 1 byte per element, plus its
       two FP32 scales (one 8-byte storage); everything else stays BF16.
     """
@@ -167,8 +201,7 @@ def block_activation_terms(sh, policy="none"):
     if policy == "selective":
         t += [("q,k,v (recompute inputs)", 3 * bsh * e)]
     elif sh.attn == "manual":
-        t += [("Q, K copies for QK^T", 2 * bsh * e), ("causal mask (bool, s^2)", s * s),
-              ("softmax output", a * s * s * b * e)]
+        t += [("Q, K copies for QK^T", 2 * bsh * e), ("softmax output", a * s * s * b * e)]
         if drop:
             t += [("attention dropout mask", a * s * s * b * em), ("attention dropout output", a * s * s * b * e)]
         t += [("V copy for att@V", bsh * e)]
@@ -248,13 +281,21 @@ def korthikanti_layer_terms(s, b, h, a):
             ("LayerNorms: inputs", 4 * s * b * h)]
 
 
+# the paper's attention-core terms, the ones that grow with a*s^2: what selective recompute drops
+KORTHIKANTI_CORE = frozenset({"attention: softmax output", "attention: softmax dropout mask",
+                              "attention: dropout output"})
+
+
 def korthikanti_layer_bytes(s, b, h, a, policy="none"):
-    """The published closed forms: none sbh(34 + 5as/h); selective 34sbh; full 2sbh (the input)."""
+    """Per-layer bytes from korthikanti_layer_terms: none = all terms, sbh(34 + 5as/h); selective =
+    all but the a*s^2 attention-core terms (KORTHIKANTI_CORE), 34sbh; full = the layer's 16-bit
+    input only, 2sbh. (Our block: the LayerNorm statistics on top, and no mask term: model.py's
+    future_mask is a buffer, so the saved mask of masked_fill is a view of it, not an activation.)"""
     if policy == "full":
         return 2 * s * b * h
-    if policy == "selective":
-        return 34 * s * b * h
-    return sum(v for _, v in korthikanti_layer_terms(s, b, h, a))
+    terms = korthikanti_layer_terms(s, b, h, a)
+    assert KORTHIKANTI_CORE <= {n for n, _ in terms}
+    return sum(v for n, v in terms if policy != "selective" or n not in KORTHIKANTI_CORE)
 
 
 # ---------------------------------------------------------------- the peak
@@ -263,11 +304,15 @@ def peak_estimate(sh, shard=1):
     """(bytes, where, alive) of the highest point of a steady-state step, from a walk over
     the step's timeline (the optimizer states already exist; .grad is None at the start).
 
-    static  parameters + buffers + master + AdamW states (+ FP32 grad buffers): alive always.
+    static  parameters + buffers + master + AdamW states (+ FP32 grad buffers, + TE's cached FP8
+      weights, fp8_weight_copies): alive always.
     backward start  all activations + the FP32 gradients of log-softmax and of the logits (2 x 4bsV).
     backward, unit u (last to first)  activations of units < u (and u's own), gradients of the head and
       of units > u, plus what a recomputed unit brings back (its blocks' internals; the attention
-      core for selective) and the b*s*h gradient flowing in.
+      core for selective) and the b*s*h gradient flowing in; for native fp8 under full/sqrt, the
+      recomputed forward also quantizes W again: fp8_weight_copies' transient (20h^2) on top.
+      (Not modelled: native fp8's backward dequantizes x to BF16 for wgrad, M*in*2 bytes, which
+      lives next to dgrad's output of the same size; grad_flow's largest pair stands for both.)
     optimizer step  the 16-bit gradients, their FP32 master copies (low precision only) and AdamW's
       FP32 temporary sqrt(v) (torch's foreach AdamW), 4P each.
     shard=N: ZeRO-3 over N ranks, every per-parameter byte / N (plus one gathered block, 2x).
@@ -275,7 +320,8 @@ def peak_estimate(sh, shard=1):
     st = state_bytes(sh)
     e, (P, _) = act_bytes(sh.precision), param_count(sh)
     low = e != 4
-    static = st["parameters"] + st["buffers"] + st["master"] + st["optimizer"] + (st["gradients"] - e * P)
+    static = (st["parameters"] + st["buffers"] + st["fp8_weights"] + st["master"] + st["optimizer"]
+              + (st["gradients"] - e * P))
     if shard > 1:
         static = static // shard + 2 * e * (12 * sh.h * sh.h)  # + one block gathered (and its grad)
     P_here = P // shard
@@ -297,7 +343,7 @@ def peak_estimate(sh, shard=1):
     if sh.ckpt in ("full", "sqrt"):
         groups = units(sh)
         kept = [sh.b * sh.s * sh.h * e] * len(groups)
-        extra = [len(g) * none_block for g in groups]
+        extra = [len(g) * none_block + fp8_weight_copies(sh)[1] for g in groups]
     else:
         groups = [[i] for i in range(sh.L)]
         kept = [sum(v for _, v in block_activation_terms(sh, sh.ckpt))] * sh.L
@@ -378,40 +424,55 @@ class LiveTensors(TorchDispatchMode):
 
 
 class CudaAllocator:
-    """The same interface on CUDA: the caching allocator's own counters."""
+    """The same interface on CUDA: the caching allocator's own counters.
 
-    def __init__(self, device):
+    reset=True (memory_ledger.py on its own): every phase starts with reset_peak_memory_stats,
+    so max_memory_allocated is that phase's peak.
+    reset=False (the summary train.py prints): the process's peak statistics are left alone.
+    A phase's peak is then seen only where it lifts max_memory_allocated above everything
+    before it, the run's own earlier peak included; once the ledger has lifted it, `peak` is the
+    ledger's exact peak. If it never does, `peak` is the highest memory_allocated read at a
+    phase boundary, a lower bound, and `hidden` stays True.
+    """
+
+    def __init__(self, device, reset=True):
         self.device = torch.device(device)
+        self.reset = reset
         self.phase = self.peak_phase = "start"
-        self.peak = 0
+        self.peak = self.high = 0
+        self.hidden = False
 
     def adopt(self, tensors):
         pass
+
+    def _fold(self):
+        hw = torch.cuda.max_memory_allocated(self.device)
+        if hw > (self.peak if self.reset else self.high):
+            self.peak, self.peak_phase, self.high, self.hidden = hw, self.phase, hw, False
 
     def start_phase(self, name):
         torch.cuda.synchronize(self.device)
         self._fold()
         self.phase = name
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def _fold(self):
-        p = torch.cuda.max_memory_allocated(self.device)
-        if p > self.peak:
-            self.peak, self.peak_phase = p, self.phase
+        if self.reset:
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def reset_peak(self):
         torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        if self.reset:
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.peak, self.peak_phase = torch.cuda.memory_allocated(self.device), self.phase
+        self.high = torch.cuda.max_memory_allocated(self.device)
+        self.hidden = self.high > self.peak
 
     @property
     def now(self):
         torch.cuda.synchronize(self.device)
         self._fold()
-        return torch.cuda.memory_allocated(self.device)
-
-    def _count(self):
-        return self.now
+        allocated = torch.cuda.memory_allocated(self.device)
+        if allocated > self.peak:  # only while hidden: a boundary reading is all there is
+            self.peak, self.peak_phase = allocated, self.phase
+        return allocated
 
     def __enter__(self):
         return self
@@ -439,7 +500,9 @@ def storage_ids(tensors):
 
 @contextmanager
 def saved_for_backward(exclude):
-    """Bytes of the distinct storages autograd saves inside the block, parameters excluded."""
+    """Bytes of the distinct storages autograd saves, skipping the storage ids in `exclude`
+    (measure passes those of the parameters, buffers, master weights and optimizer states:
+    a saved view of one of them, e.g. masked_fill's view of future_mask, is no activation)."""
     seen = {}
 
     def pack(t):
@@ -457,20 +520,29 @@ def optimizer_tensors(opt):
     return [v for state in opt.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
 
-def measure(model, opt, batch, device):
+def measure(model, opt, batch, device, reset_peak_stats=True, baseline=0):
     """Run one forward, backward and optimizer step of (model, opt) on batch, and count.
 
     Mirrors accumulate.accumulation_step for one micro-step on one rank. Call it when the
     optimizer states already exist (after a first step): that is the steady state.
     Returns measured bytes per component, the phase readings and the peak with its phase.
+    parameters, master, optimizer, buffers and gradients are storage sizes on every device
+    (gradients: the distinct storages of the .grad tensors, plus the FP32 buffers with
+    fp32_grad_accum), so they can match the formulas to the byte. activations: saved-tensor
+    storages on CPU, the allocator's growth over the forward on CUDA. Storages of parameters
+    and buffers never count as activations.
+    CUDA only: reset_peak_stats=False leaves the process's peak statistics alone (see
+    CudaAllocator; out["peak_hidden"] says whether the peak is only a lower bound), and
+    `baseline` bytes (memory that is not this model's) are taken off the reported peak.
     """
     device = torch.device(device)
     x, y = batch
     params = [p for p in model.parameters()]
     buffers = [bf for bf in model.buffers()]
+    # parameter AND buffer storages: a saved view of either (masked_fill's future_mask) is not an activation
     static_ids = storage_ids(params + buffers + opt.master_params + optimizer_tensors(opt))
     cuda = device.type == "cuda"
-    tracker = CudaAllocator(device) if cuda else LiveTensors(device)
+    tracker = CudaAllocator(device, reset=reset_peak_stats) if cuda else LiveTensors(device)
     out = dict(parameters=storage_bytes(params, device),
                buffers=storage_bytes(buffers, device, exclude=storage_ids(params)),
                master=storage_bytes(opt.master_params, device, exclude=storage_ids(params)) if opt.low_precision else 0,
@@ -502,13 +574,14 @@ def measure(model, opt, batch, device):
         end = tracker.now
     out["saved"] = sum(saved.values())
     out["phase"] = dict(before=before, after_forward=after_fwd, after_backward=after_bwd, after_step=end)
-    if cuda:  # the allocator's deltas are the measurement; the storage counts stay as a cross-check
+    out["gradients"] = grad_bytes  # exact storage sizes, on CUDA too
+    if cuda:  # the allocator's deltas: activations are measured by them, the rest is a cross-check
         out["activations"] = after_fwd - before - out_bytes
-        out["gradients"] = after_bwd - before
+        out["gradients_allocated"] = after_bwd - before  # ~0 with fp32_grad_accum: the buffers predate it
     else:
         out["activations"] = out["saved"]
-        out["gradients"] = grad_bytes
-    out["peak"], out["peak_phase"] = tracker.peak, tracker.peak_phase
+    out["peak"], out["peak_phase"] = tracker.peak - baseline, tracker.peak_phase
+    out["peak_hidden"] = cuda and tracker.hidden
     return out
 
 
@@ -564,36 +637,66 @@ def format_comparison(sh, rows, meas):
         lines.append(f"{k:12} {p:14,d} {m:14,d} {100 * err:7.2f}%  {'ok' if ok else 'MISS'} ({rule})")
     pk, where, alive = peak_estimate(sh)
     err = abs(meas["peak"] - pk) / max(pk, 1)
+    seen = ("at least (hidden under the run's earlier peak), last read in: " if meas.get("peak_hidden")
+            else "measured in: ")
     lines.append(f"{'peak':12} {pk:14,d} {meas['peak']:14,d} {100 * err:7.2f}%  estimate, not checked "
-                 f"(measured in: {meas['peak_phase']}; predicted at {where}: {alive})")
+                 f"({seen}{meas['peak_phase']}; predicted at {where}: {alive})")
     return "\n".join(lines)
 
 
 def summary_after_first_step(cfg, model, opt, batch, device):
     """train.py calls this once after the first optimizer step: the ledger on a deep copy of
-    (model, optimizer), so the run's weights, gradients, optimizer and RNG states are untouched."""
+    (model, optimizer), so the run's weights, gradients, optimizer and RNG states are untouched.
+
+    Its cost: while it runs, the copy's parameters, master weights and optimizer states sit
+    next to the run's own (twice the static memory; train.report_memory catches the OOM).
+    CUDA: the peak statistics are NOT reset (CudaAllocator(reset=False)); the ledger's peak is
+    read from max_memory_allocated as it rises and reported relative to what was allocated
+    before the copy (the batch excepted, which the copy uses too). What cannot be avoided
+    without a reset: if the ledger rose above the run's earlier peak, max_memory_allocated --
+    the progress line's peak -- now holds the ledger's (copy included) for the rest of the
+    run; the returned text says so with both numbers. If it did not, the ledger's own peak is
+    hidden and shown as a lower bound. On CPU nothing global is read or changed.
+    """
     device = torch.device(device)
+    cuda = device.type == "cuda"
     rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
+    baseline = run_peak = 0
+    if cuda:
+        torch.cuda.synchronize(device)
+        run_peak = torch.cuda.max_memory_allocated(device)
+        baseline = torch.cuda.memory_allocated(device) - storage_bytes(list(batch), device)
+    model2 = opt2 = None
     try:
         model2, opt2 = copy.deepcopy((model, opt))  # one memo: the copy's optimizer holds the copy's params
-        meas = measure(model2, opt2, batch, device)
-        del model2, opt2
+        meas = measure(model2, opt2, batch, device, reset_peak_stats=False, baseline=baseline)
     finally:
+        model2 = opt2 = None  # free the copy before anything else (an OOM handler included)
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
     sh = Shape.from_config(cfg, device, b=batch[0].shape[0], s=batch[0].shape[1])
     rows, _ = compare(sh, meas)
-    return format_comparison(sh, rows, meas)
+    text = format_comparison(sh, rows, meas)
+    if cuda:
+        after = torch.cuda.max_memory_allocated(device)
+        if after > run_peak:
+            text += (f"\nnote: peak stats not reset; CUDA max_memory_allocated (the progress line's peak) rose "
+                     f"from {fmt_bytes(run_peak)} (the run) to {fmt_bytes(after)} (the run + this ledger's "
+                     f"copy) and stays there")
+        else:
+            text += f"\nnote: peak stats not reset; max_memory_allocated stays the run's {fmt_bytes(run_peak)}"
+    return text
 
 
 # ---------------------------------------------------------------- the chapter's table
 
 def components(sh):
-    """The chapter's four components for sh (master weights folded into optimizer states)."""
+    """The chapter's four components for sh (master weights folded into optimizer states;
+    buffers and any persistent FP8 weight copies into parameters)."""
     st = state_bytes(sh)
-    return dict(parameters=st["parameters"] + st["buffers"], gradients=st["gradients"],
+    return dict(parameters=st["parameters"] + st["buffers"] + st["fp8_weights"], gradients=st["gradients"],
                 optimizer=st["master"] + st["optimizer"], activations=activation_bytes(sh))
 
 
@@ -602,9 +705,16 @@ def _measured_components(m):
                 optimizer=m["master"] + m["optimizer"], activations=m["activations"])
 
 
-def technique_rows(cfg, device, ranks=8, tp=8, pp=8, cp=4, accum=4, measure_runs=True):
+def technique_rows(cfg, device, ranks=8, tp=8, pp=8, cp=4, measure_runs=True):
     """[(technique, {component: bytes per GPU}, how)] for cfg's shape. how: "measured" when
     this project runs the technique (one ledger run on this machine), else "formula".
+
+    Gradient accumulation: K = cfg.accum when > 1 (else 4); the row is the same batch of
+    b sequences taken in K micro-batches of ceil(b/K), so only the activations shrink.
+    FP8: native is measured (whatever cfg.fp8_backend says) where torch._scaled_mm runs on the
+    device, else a formula row; Transformer Engine is a formula row: native's activations
+    (an approximation: TE's saved tensors are its own) plus its cached FP8 weight copies
+    (fp8_weight_copies), counted under parameters.
 
     Formulas for the techniques run elsewhere (per GPU, N = ranks, P parameters):
       ZeRO-1 optimizer states / N; ZeRO-2 also gradients / N; ZeRO-3 (FSDP) also parameters / N.
@@ -624,7 +734,8 @@ def technique_rows(cfg, device, ranks=8, tp=8, pp=8, cp=4, accum=4, measure_runs
         if measure_runs and runnable:
             key = (sh.precision, sh.ckpt, sh.b)
             if key not in runs:
-                c = replace(cfg, precision=sh.precision, ckpt=sh.ckpt, batch_size=sh.b, ledger=False)
+                c = replace(cfg, precision=sh.precision, ckpt=sh.ckpt, batch_size=sh.b, ledger=False,
+                            fp8_backend="native")
                 runs[key] = _measured_components(run_config(c, torch.device(device)))
             return (name, runs[key], "measured")
         return (name, pred, "formula")
@@ -633,10 +744,16 @@ def technique_rows(cfg, device, ranks=8, tp=8, pp=8, cp=4, accum=4, measure_runs
     rows = [row("FP32 baseline", replace(base, precision="fp32", ckpt="none", fp32_grad_accum=False)),
             row("BF16 mixed precision", replace(base, precision="bf16", ckpt="none"))]
     if fp8_ok:
-        rows.append(row("FP8 (native)", replace(base, precision="fp8", ckpt="none")))
+        fp8_runs = precision.fp8_matmul_error(torch.device(device)) is None  # e.g. False on a pre-sm89 GPU
+        rows.append(row("FP8 (native)", replace(base, precision="fp8", ckpt="none", fp8_backend="native"),
+                        runnable=fp8_runs))
+        rows.append(row("FP8 (Transformer Engine)", replace(base, precision="fp8", ckpt="none", fp8_backend="te"),
+                        runnable=False))
     cur = replace(base, ckpt="none")
-    if cfg.batch_size % accum == 0 and cfg.batch_size > accum - 1:
-        rows.append(row(f"grad accumulation K={accum} (b/{accum})", replace(cur, b=cfg.batch_size // accum)))
+    accum = cfg.accum if cfg.accum > 1 else 4
+    if cfg.batch_size > 1:
+        micro = -(-cfg.batch_size // accum)
+        rows.append(row(f"grad accumulation K={accum} (micro-b {micro})", replace(cur, b=micro)))
     rows.append(row("full checkpointing", replace(cur, ckpt="full")))
     rows.append(row("sqrt checkpointing", replace(cur, ckpt="sqrt")))
     if cfg.attn == "manual":
@@ -659,9 +776,18 @@ def technique_rows(cfg, device, ranks=8, tp=8, pp=8, cp=4, accum=4, measure_runs
     return rows
 
 
-# which of block_activation_terms sit inside TP's column/row-parallel regions (split over t)
-TP_SPLIT = ("Q, K", "causal", "softmax", "attention dropout", "V copy", "c_proj input", "q,k,v", "sdpa",
-            "GELU", "MLP c_proj")
+# block_activation_terms by name, for TP: inside the column/row-parallel regions (split over t)
+# or replicated on every rank. Every term must be in exactly one set: tp_components raises on a
+# term it cannot place, so renaming or adding a term cannot silently change the TP numbers.
+TP_SPLIT = frozenset({
+    "Q, K copies for QK^T", "softmax output", "attention dropout mask", "attention dropout output",
+    "V copy for att@V", "q,k,v (recompute inputs)", "q,k,v (c_attn output)", "sdpa output = c_proj input",
+    "sdpa logsumexp (fp32)", "sdpa-math Q, K copies (fp32)", "sdpa-math softmax (fp32)",
+    "sdpa-math dropout mask (fp32)", "sdpa-math dropout output (fp32)", "sdpa-math V copy (fp32)",
+    "c_proj input", "GELU input", "MLP c_proj input (GELU output)"})
+TP_REPLICATED = frozenset({
+    "ln_1 input", "ln_1 mean+rstd", "c_attn input", "residual dropout mask", "ln_2 input", "ln_2 mean+rstd",
+    "c_fc input", "MLP dropout mask", "FP8 scales (x_scale, w_scale) x 4 Linears"})
 
 
 def tp_components(sh, t, sp):
@@ -672,7 +798,9 @@ def tp_components(sh, t, sp):
     frac = (split / t + (P - split)) / P
     acts = 0
     for name, v in block_activation_terms(sh, sh.ckpt if sh.ckpt == "selective" else "none"):
-        acts += v // t if (sp or name.startswith(TP_SPLIT)) else v
+        if name not in TP_SPLIT and name not in TP_REPLICATED:
+            raise KeyError(f"block term {name!r} is in neither TP_SPLIT nor TP_REPLICATED")
+        acts += v // t if (sp or name in TP_SPLIT) else v
     acts *= sh.L
     if sh.ckpt in ("full", "sqrt"):
         acts = len(units(sh)) * sh.b * sh.s * sh.h * act_bytes(sh.precision) // (t if sp else 1)
@@ -824,6 +952,9 @@ def split_args(argv):
 
 
 def main(argv):
+    """Bad input of any kind (flags, config, an fp8 setting the FP8 row would trip on, an
+    unwritable out_dir) is one line 'error: ...' on stderr and exit status 2; all measuring
+    happens before anything is printed, so such an error leaves stdout empty."""
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         return 0
@@ -831,12 +962,22 @@ def main(argv):
         opts, rest = split_args(argv)
         cfg = train.parse_args(rest)
         if cfg.precision == "fp8" and cfg.fp8_backend == "te":
-            raise train.UsageError("the ledger's formulas cover fp8_backend=native (Transformer Engine keeps "
-                                   "its own buffers); use --fp8_backend=native")
+            raise train.UsageError("the ledger measures fp8_backend=native only (Transformer Engine's cached FP8 "
+                                   "weights are a formula row of its table); use --fp8_backend=native")
+        if cfg.n_embd % 16 == 0 and precision.E4M3 is not None:  # the table's FP8 row: fail now, not midway
+            precision.linear_factory(replace(cfg, precision="fp8", fp8_backend="native"))
         device = train.pick_device(cfg)
         meas = run_config(cfg, device)
+        table = technique_rows(cfg, device, opts["ranks"], opts["tp"], opts["pp"], opts["cp"],
+                               measure_runs=opts["table"] == "measure")
+        path = Path(cfg.out_dir) / "memory_ledger.svg"
+        write_atomically(path, svg(table, f"memory per GPU by technique: L={cfg.n_layer} h={cfg.n_embd} "
+                                          f"s={cfg.block_size} b={cfg.batch_size}"))
     except (train.UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: cannot write the SVG under --out_dir: {e}", file=sys.stderr)
         return 2
     sh = Shape.from_config(cfg, device)
     rows, ok = compare(sh, meas)
@@ -846,8 +987,6 @@ def main(argv):
     for name, v in activation_terms(sh):
         print(f"  {name:48} {v:14,d}")
     print()
-    table = technique_rows(cfg, device, opts["ranks"], opts["tp"], opts["pp"], opts["cp"],
-                           measure_runs=opts["table"] == "measure")
     print(f"four components x techniques (per GPU, this config, precision {cfg.precision} unless named):")
     print(format_table(table))
     print()
@@ -858,9 +997,6 @@ def main(argv):
         print(f"  {name}: formula {n:,} parameters, model.GPT on the meta device {m:,}: "
               f"{'same' if n == m else 'DIFFERENT'}")
         ok = ok and n == m
-    path = Path(cfg.out_dir) / "memory_ledger.svg"
-    write_atomically(path, svg(table, f"memory per GPU by technique: L={cfg.n_layer} h={cfg.n_embd} "
-                                      f"s={cfg.block_size} b={cfg.batch_size}"))
     print(f"\nwrote {path}")
     if not ok:
         print("ledger: some component missed its tolerance", file=sys.stderr)
