@@ -78,7 +78,8 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
         peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     # what autograd keeps for backward after the forward, from the ledger's formula (which its
     # tests hold to the measured saved-tensor bytes): the activation memory a policy saves
-    activations = memory_ledger.activation_bytes(memory_ledger.Shape.from_config(cfg, device=device.type))
+    activations = None if autocast_reference else \
+        memory_ledger.activation_bytes(memory_ledger.Shape.from_config(cfg, device=device.type))  # autocast: not modelled
     return dict(precision="autocast-bf16" if autocast_reference else cfg.precision, ckpt=cfg.ckpt,
                 tokens_per_s=tokens_per_s, ms_per_step=1000 * dt,
                 mfu=tokens_per_s * model.flops_per_token() / peak if peak else None,
