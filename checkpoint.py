@@ -18,6 +18,7 @@ Policies (CKPT=):
 
 Cost: a recomputed unit runs its forward twice, so `full` adds one forward of the
 blocks, about +33% of a step (forward 1 unit of work, backward 2).
+`python checkpoint.py [train.py flags]` counts it with FlopCounterMode for each policy.
 
 Model save/resume is called a *snapshot* in this project (train.py), never a checkpoint.
 """
@@ -192,3 +193,32 @@ def recompute_flops_per_token(model, policy, segment=0):
     if policy == "selective":
         return attention_core
     return 0
+
+
+def counted_step_flops(flags):
+    """{policy: FLOPs of one forward + backward}, counted by FlopCounterMode, for train.py flags.
+    FP32 and manual attention: the counter sees the attention core's matmuls as plain ops."""
+    from torch.utils.flop_counter import FlopCounterMode
+    import train
+    flops = {}
+    for policy in CKPT_CHOICES:
+        cfg = train.parse_args([*flags, "--precision=fp32", "--attn=manual", f"--ckpt={policy}"])
+        model, _ = train.build(cfg)
+        x = torch.randint(0, model.cfg.vocab_size, (cfg.batch_size, cfg.block_size))
+        with FlopCounterMode(display=False) as counter:
+            model(x, x)[1].backward()
+        flops[policy] = counter.get_total_flops()
+    return flops
+
+
+if __name__ == "__main__":
+    import sys
+    import train
+    try:
+        counted = counted_step_flops(sys.argv[1:])
+    except train.UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print("FLOPs of one forward + backward, counted by torch.utils.flop_counter.FlopCounterMode:")
+    for policy, n in counted.items():
+        print(f"  {policy:9} {n / 1e9:9.2f} GFLOP  {100 * (n / counted['none'] - 1):+6.1f}% vs none")

@@ -496,3 +496,13 @@ def test_no_grad_evaluation_equals_none(policy):
         want, _ = make_model("none", dropout=0.1).eval()(x)
         got, _ = make_model(policy, dropout=0.1).eval()(x)
     assert torch.equal(got, want) and not got.requires_grad
+
+
+def test_counted_step_flops_cli_agrees_with_the_formula():
+    flags = ["--n_layer=3", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2"]
+    counted = checkpoint.counted_step_flops(flags)
+    model = make_model("none", n_layer=3, n_embd=32, n_head=2, block_size=16)
+    tokens = 2 * 16
+    for policy in ("full", "sqrt", "selective"):
+        assert counted[policy] - counted["none"] == checkpoint.recompute_flops_per_token(model, policy) * tokens
+    assert counted["none"] == model.flops_per_token() * tokens
