@@ -12,6 +12,7 @@ Model save/resume is a *snapshot* here (checkpoint.py is activation checkpointin
 """
 import dataclasses
 import hashlib
+import inspect
 import math
 import os
 import sys
@@ -431,11 +432,15 @@ def train_loop(cfg, log, accum, rank, device, world_size):
     run_model = model
     if world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
-        # broadcast_buffers=False: DDP would otherwise copy rank 0's buffers over every rank's
-        # at each forward: the causal masks are constant, and FP8's per-step amax must stay
-        # each rank's own until accumulate.py takes the max over ranks
+        # no buffer sync per forward: DDP would otherwise copy rank 0's buffers over every
+        # rank's at each forward; the causal masks are constant, and FP8's per-step amax must
+        # stay each rank's own until accumulate.py takes the max over ranks. (torch 2.13
+        # renamed broadcast_buffers to forward_sync_buffers.)
+        no_buffer_sync = ({"forward_sync_buffers": False}
+                          if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                          else {"broadcast_buffers": False})
         run_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                            broadcast_buffers=False)
+                                            **no_buffer_sync)
     master = rank == 0
     seqs, tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
     flops_per_token = model.flops_per_token()
