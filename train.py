@@ -399,7 +399,9 @@ def train(cfg, log=print):
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
-        return train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size())
+        history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size())
+        dist.barrier()  # leave together: tearing gloo down while a peer still writes can abort it
+        return history
     finally:
         dist.destroy_process_group()
 
