@@ -55,12 +55,13 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
         opt = AutocastReference(model, device, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                 betas=(cfg.beta1, cfg.beta2), grad_clip=cfg.grad_clip)
     batches = train.Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
+    accum = train.resolve_accum(cfg, 1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for i in range(warmup + steps):
         if i == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        micro = [batches.next() for _ in range(cfg.accum)]
+        micro = [batches.next() for _ in range(accum)]
         sync()
         t0 = time.perf_counter()
         accumulate.accumulation_step(model, opt, micro, cfg.loss_norm, cfg.no_sync)
@@ -68,7 +69,7 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
         times.append(time.perf_counter() - t0)
     # the median step: a shared 2-core machine adds outliers that a mean would report as speed
     dt = sorted(times[warmup:])[steps // 2]
-    tokens_per_s = cfg.batch_size * cfg.accum * cfg.block_size / dt
+    tokens_per_s = cfg.batch_size * accum * cfg.block_size / dt
     # autocast runs bf16 matmuls, so its MFU is against the bf16 peak
     peak = train.peak_flops(train.parse_args(flags + ["--precision=bf16"]) if autocast_reference else cfg, device)
     extra = train.checkpoint.recompute_flops_per_token(model, cfg.ckpt, cfg.ckpt_segment)
@@ -86,7 +87,7 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
                 hfu=tokens_per_s * (model.flops_per_token() + extra) / peak if peak else None,
                 peak_mem_bytes=peak_mem, activation_bytes=activations, device=str(device),
                 config=dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
-                            batch_size=cfg.batch_size, accum=cfg.accum, attn=cfg.attn))
+                            batch_size=cfg.batch_size, accum=accum, attn=cfg.attn))
 
 
 def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False):
@@ -94,7 +95,7 @@ def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False):
     job = json.dumps(dict(flags=flags, steps=steps, warmup=warmup, autocast_reference=autocast_reference))
     r = subprocess.run([sys.executable, __file__, "--row", job], capture_output=True, text=True, cwd=HERE)
     if r.returncode == 2:  # bad input, already one line
-        raise train.UsageError(r.stderr.strip().removeprefix("error: "))
+        raise train.UsageError(r.stderr.strip().splitlines()[-1].removeprefix("error: "))
     if r.returncode != 0:
         raise SystemExit(f"bench row {flags} failed:\n{r.stderr.strip()[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])

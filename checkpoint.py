@@ -202,7 +202,7 @@ def counted_step_flops(flags):
     import train
     flops = {}
     for policy in CKPT_CHOICES:
-        cfg = train.parse_args([*flags, "--precision=fp32", "--attn=manual", f"--ckpt={policy}"])
+        cfg = train.parse_args([*flags, "--precision=fp32", "--attn=manual", f"--ckpt={policy}", "--device=cpu"])
         model, _ = train.build(cfg)
         x = torch.randint(0, model.cfg.vocab_size, (cfg.batch_size, cfg.block_size))
         with FlopCounterMode(display=False) as counter:

@@ -328,7 +328,7 @@ def te_linear_factory(cfg):
     """te.pytorch.Linear for every Linear; the FP8 autocast context is attached to each
     module (`_te_autocast`) so MasterWeightOptimizer.forward_context() can enter it.
 
-    TE imports only here: it is an optional extra (pip install transformer_engine[pytorch]
+    TE imports only here: it is an optional extra (pip install --no-build-isolation 'transformer_engine[pytorch]'
     on a CUDA machine). Its recipe: DelayedScaling, HYBRID (E4M3 forward, E5M2 gradients),
     amax history FP8_AMAX_HISTORY, margin FP8_MARGIN, amax_compute_algo "max"; or
     Float8CurrentScaling for FP8_RECIPE=current. TE does its backward in FP8 (HYBRID), so
@@ -337,7 +337,7 @@ def te_linear_factory(cfg):
         import transformer_engine.pytorch as te
         from transformer_engine.common import recipe as te_recipe
     except ImportError:
-        raise ValueError("fp8_backend=te needs Transformer Engine (pip install transformer_engine[pytorch], "
+        raise ValueError("fp8_backend=te needs Transformer Engine (pip install --no-build-isolation 'transformer_engine[pytorch]', "
                          "on a CUDA machine); use --fp8_backend=native") from None
     if cfg.device == "cpu" or not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         raise ValueError("fp8_backend=te needs an sm89+ GPU (Ada, Hopper or newer); use --fp8_backend=native")

@@ -407,12 +407,13 @@ def train(cfg, log=print):
 
 
 def train_loop(cfg, log, accum, rank, device, world_size):
-    model, opt = build(cfg, device)  # first: a bad model config fails before data is read
-    train_tokens, val_tokens = split_tokens(load_tokens(cfg.data), cfg.block_size)
+    # bad input fails before anything is read or written: the model config, then the snapshot
+    model, opt = build(cfg, device)
     out_dir = Path(cfg.out_dir)
     start_step, snap = 0, None
     if cfg.resume:
         snap = load_snapshot(out_dir / SNAPSHOT, cfg)
+    train_tokens, val_tokens = split_tokens(load_tokens(cfg.data), cfg.block_size)
     # every rank draws its own batches; the validation stream is the same fixed one each eval
     batches = Batches(train_tokens, cfg.block_size, cfg.batch_size, cfg.seed + 1 + rank, device)
     torch.manual_seed(cfg.seed + 1000 + rank)  # dropout's stream, distinct per rank
@@ -437,7 +438,8 @@ def train_loop(cfg, log, accum, rank, device, world_size):
         # no buffer sync per forward: DDP would otherwise copy rank 0's buffers over every
         # rank's at each forward; the causal masks are constant, and FP8's per-step amax must
         # stay each rank's own until accumulate.py takes the max over ranks. (torch 2.13
-        # renamed broadcast_buffers to forward_sync_buffers.)
+        # deprecates broadcast_buffers for forward_sync_buffers, which still syncs once at
+        # init: harmless here, every rank starts identical.)
         no_buffer_sync = ({"forward_sync_buffers": False}
                           if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                           else {"broadcast_buffers": False})
@@ -484,11 +486,12 @@ def train_loop(cfg, log, accum, rank, device, world_size):
                 f" | scale {opt.scaler.loss_scale:g} skipped {opt.scaler.skipped_steps}")
             t_last, tokens_since = time.perf_counter(), 0
         if master and (step + 1) % cfg.eval_interval == 0:
+            t_eval = time.perf_counter()
             val = estimate_loss(model, Batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.seed, device),
                                 cfg.eval_iters, opt.forward_context)
             log(f"step {step + 1:5d} | val loss {val:.4f}")
             history[-1]["val_loss"] = val
-            t_last = time.perf_counter()  # evaluation is not training time
+            t_last += time.perf_counter() - t_eval  # evaluation is not training time
         last = step + 1 == cfg.max_iters
         if last or (cfg.snapshot_interval and (step + 1) % cfg.snapshot_interval == 0):
             state = snapshot_state(cfg, model, opt, batches, step + 1, device, world_size)  # every rank: it gathers
@@ -544,7 +547,10 @@ def sample_from_snapshot(cfg):
     cfg = dataclasses.replace(cfg, **{k: saved[k] for k in (*SHAPE_KEYS, "attn", "fp8_backend", "fp8_recipe",
                                                              "fp8_amax_history") if k in saved})
     model, _ = build(cfg, device)
-    model.load_state_dict(snap["model"])
+    try:
+        model.load_state_dict(snap["model"])
+    except (RuntimeError, KeyError) as e:
+        raise UsageError(f"snapshot does not fit its own config: {str(e).splitlines()[0]}") from None
     print(sample(model, device, cfg.sample_tokens or 200))
 
 

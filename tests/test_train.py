@@ -148,6 +148,13 @@ def test_empty_or_short_data_is_rejected(tmp_path, capsys, content):
     assert not (tmp_path / "out").exists()
 
 
+def test_empty_data_folder_is_rejected(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    code = train.main([*TINY, f"--out_dir={tmp_path / 'out'}", f"--data={tmp_path / 'empty'}"])
+    assert code == 2 and "the folder holds no files" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_resume_from_a_different_model_shape(tmp_path, capsys):
     run(tmp_path, "--max_iters=1")
     code = train.main([*TINY, f"--out_dir={tmp_path}", "--n_layer=3", "--resume"])
