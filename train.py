@@ -11,6 +11,7 @@ memory_ledger.py (predicted vs measured memory).
 Model save/resume is a *snapshot* here (checkpoint.py is activation checkpointing).
 """
 import dataclasses
+import gc
 import hashlib
 import inspect
 import math
@@ -400,7 +401,11 @@ def train(cfg, log=print):
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
         history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size())
-        dist.barrier()  # leave together: tearing gloo down while a peer still writes can abort it
+        # the DDP wrapper sits in reference cycles: free it while its process group lives
+        # (collected at interpreter exit instead, gloo's pending work can abort the process),
+        # and leave together, so no rank tears gloo down while a peer still writes
+        gc.collect()
+        dist.barrier()
         return history
     finally:
         dist.destroy_process_group()

@@ -10,6 +10,7 @@ big-batch oracle itself from the same batches (`make_batches`) in one process.
 "train": train.py's own main() under torchrun, then every rank saves its parameters.
 Each rank writes OUT/<mode>-rank<r>.pt.
 """
+import gc
 import os
 import sys
 from pathlib import Path
@@ -130,7 +131,6 @@ def run_grads(out, rank, world):
         loss.backward()
     results["forward_outside_no_sync"] = dict(allreduces=counter[0], buckets=n_buckets(ddp))
     torch.save(results, out / f"grads-rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 def run_train(out, rank, argv):
@@ -161,6 +161,9 @@ def main(argv):
         import torch.distributed as dist
         dist.init_process_group("gloo")
         run_grads(out, rank, world)
+        gc.collect()  # free the DDP wrappers (reference cycles) while the process group lives, as train.py does
+        dist.barrier()
+        dist.destroy_process_group()
         return 0
     if mode == "train":
         return run_train(out, rank, argv[3:] if argv[2:3] == ["--"] else argv[2:])
