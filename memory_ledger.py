@@ -25,7 +25,6 @@ Ledger-only flags (not train.py keys): --ranks=N (ZeRO/data parallel), --tp=t, -
 """
 import copy
 import math
-import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -916,14 +915,6 @@ def _esc(text):
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def write_atomically(path, text):
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------- main
 
 LEDGER_FLAGS = dict(ranks=8, tp=8, pp=8, cp=4, gpu_gib=80, table="measure")
@@ -971,8 +962,10 @@ def main(argv):
         table = technique_rows(cfg, device, opts["ranks"], opts["tp"], opts["pp"], opts["cp"],
                                measure_runs=opts["table"] == "measure")
         path = Path(cfg.out_dir) / "memory_ledger.svg"
-        write_atomically(path, svg(table, f"memory per GPU by technique: L={cfg.n_layer} h={cfg.n_embd} "
-                                          f"s={cfg.block_size} b={cfg.batch_size}"))
+        picture = svg(table, f"memory per GPU by technique: L={cfg.n_layer} h={cfg.n_embd} "
+                             f"s={cfg.block_size} b={cfg.batch_size}")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        train.write_atomically(path, lambda fh: fh.write(picture.encode()))
     except (train.UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
