@@ -1,6 +1,8 @@
-# Every variable is a config key of train.py in capitals: PRECISION=bf16 is --precision=bf16.
-# Anything else goes through ARGS='--max_iters=50 --n_layer=2'.
-# PYTHON=python3 uses an existing interpreter that has torch (GPU machines) and installs nothing.
+# Every config key (config.py) is a make variable in capitals: PRECISION=bf16 is --precision=bf16,
+# N_LAYER=8 is --n_layer=8. Only variables given on the command line become flags.
+# Three variables are not config keys: NPROC (processes for `make ddp`), PYTHON (an existing
+# interpreter that has torch, e.g. on GPU machines: nothing is installed) and ARGS (any other
+# flags, e.g. a tool's own: ARGS='--tp=4').
 
 VENV := .venv
 ifdef PYTHON
@@ -11,20 +13,16 @@ PY := $(VENV)/bin/python
 DEPS := $(VENV)/.installed
 endif
 
-PRECISION ?=
-CKPT ?=
-CKPT_SEGMENT ?=
-ACCUM ?=
-LOSS_SCALE ?=
-FP8_BACKEND ?=
+KEYS := DATA OUT_DIR SEED DEVICE N_LAYER N_HEAD N_EMBD BLOCK_SIZE VOCAB_SIZE DROPOUT BIAS ATTN \
+        BATCH_SIZE ACCUM TOTAL_BATCH_TOKENS LOSS_NORM NO_SYNC FP32_GRAD_ACCUM MAX_ITERS LEARNING_RATE MIN_LR \
+        WARMUP_ITERS LR_DECAY_ITERS WEIGHT_DECAY BETA1 BETA2 GRAD_CLIP PRECISION LOSS_SCALE \
+        LOSS_SCALE_HYSTERESIS FP8_BACKEND FP8_RECIPE FP8_AMAX_HISTORY FP8_MARGIN FP8_GRAD CKPT CKPT_SEGMENT \
+        LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS SNAPSHOT_INTERVAL RESUME SAMPLE_TOKENS PEAK_FLOPS LEDGER SAMPLE_ONLY
+lower = $(shell echo '$(1)' | tr A-Z a-z)
+FLAGS := $(strip $(foreach K,$(KEYS),$(if $(filter command line,$(origin $(K))),--$(call lower,$(K))=$($(K)))) $(ARGS))
 NPROC ?= 2
-ARGS ?=
-# only the variables that were given become flags, so train.py's defaults stay the defaults
-FLAGS := $(if $(PRECISION),--precision=$(PRECISION)) $(if $(CKPT),--ckpt=$(CKPT)) \
-         $(if $(CKPT_SEGMENT),--ckpt_segment=$(CKPT_SEGMENT)) $(if $(ACCUM),--accum=$(ACCUM)) \
-         $(if $(LOSS_SCALE),--loss_scale=$(LOSS_SCALE)) $(if $(FP8_BACKEND),--fp8_backend=$(FP8_BACKEND)) $(ARGS)
 
-.PHONY: help train test bench sample ddp ledger gpu-check clean
+.PHONY: help train test bench sample ddp ledger dtypes underflow flops gpu-check clean
 
 help:  ## this list
 	@echo "make train      train on the built-in data (PRECISION=fp32|bf16|fp16|fp8 CKPT=none|full|sqrt|selective ACCUM=K)"
@@ -32,9 +30,12 @@ help:  ## this list
 	@echo "make bench      tokens/s, ms/step, MFU and peak memory per precision and ckpt policy -> out/bench.jsonl"
 	@echo "make sample     print a sample from out/snapshot.pt"
 	@echo "make ddp        torchrun --nproc_per_node=NPROC train.py (gloo on CPU, NCCL on GPU)"
-	@echo "make ledger     the memory ledger: predicted vs measured bytes per component"
-	@echo "make gpu-check  CUDA tests and the benchmark on a GPU (a message without one)"
-	@echo "variables: PRECISION CKPT CKPT_SEGMENT ACCUM LOSS_SCALE FP8_BACKEND NPROC PYTHON ARGS='--key=value ...'"
+	@echo "make ledger     the memory ledger: predicted vs measured bytes per component, the techniques table"
+	@echo "make dtypes     the dtype table from torch.finfo"
+	@echo "make underflow  the share of FP16 gradients lost without loss scaling"
+	@echo "make flops      each recompute policy's step FLOPs, counted by FlopCounterMode"
+	@echo "make gpu-check  CUDA tests, the ledger and the benchmark on a GPU (a message without one)"
+	@echo "variables: any config key in capitals (python train.py --help lists them), NPROC, PYTHON, ARGS='--key=value ...'"
 
 $(VENV)/.installed: requirements.txt
 	python3 -m venv $(VENV)
@@ -51,19 +52,28 @@ test: $(DEPS)
 	$(PY) -m pytest -q tests
 
 bench: $(DEPS)
-	$(PY) bench.py $(FLAGS)
+	$(PY) tools/bench.py $(FLAGS)
 
 ddp: $(DEPS)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train.py $(FLAGS)
 
 ledger: $(DEPS)
-	$(PY) memory_ledger.py $(FLAGS)
+	$(PY) tools/ledger.py $(FLAGS)
+
+dtypes: $(DEPS)
+	$(PY) tools/demos.py dtypes
+
+underflow: $(DEPS)
+	$(PY) tools/demos.py underflow
+
+flops: $(DEPS)
+	$(PY) tools/demos.py flops $(FLAGS)
 
 gpu-check: $(DEPS)
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-		$(PY) -m pytest -q -m cuda tests && $(PY) memory_ledger.py --device=cuda $(FLAGS) \
-		&& $(PY) bench.py --device=cuda --sections=precision,ckpt,memory,fp8wide $(FLAGS); \
+		$(PY) -m pytest -q -m cuda tests && $(PY) tools/ledger.py --device=cuda $(FLAGS) \
+		&& $(PY) tools/bench.py --device=cuda --sections=precision,ckpt,memory,fp8wide $(FLAGS); \
 	else echo "gpu-check: no CUDA device here; nothing to check (the CPU suite is 'make test')"; fi
 
 clean:
-	rm -rf out __pycache__ tests/__pycache__ .pytest_cache
+	rm -rf out __pycache__ tests/__pycache__ tools/__pycache__ .pytest_cache

@@ -1,11 +1,12 @@
 """Gradient accumulation by hand: K micro-steps, one optimizer step, `no_sync` under DDP.
 
-Chapter section 2. Read first: `accumulation_step`, then `effective_batch`.
+Chapter section 2. Read first: `accumulation_step`, then `optimizer_step`, then
+`effective_batch`.
 
   effective batch = micro-batch x world_size x K   (sequences; x block_size for tokens)
 
 Each micro-step runs forward and backward on one micro-batch; gradients add up in
-`.grad` (or in FP32 buffers, see precision.py); after K of them the optimizer steps
+`.grad` (or in FP32 buffers, `fp32_grad_buffers`); after K of them the optimizer steps
 once. The loss is divided so that the summed gradient is the gradient of the mean loss
 over the whole effective batch, exactly as if it had been one big batch.
 
@@ -14,12 +15,26 @@ once per optimizer step (one all-reduce per DDP bucket) instead of K times.
 tests/test_accumulate.py checks both against a one-process big-batch run.
 """
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-LOSS_NORMS = ("mean", "tokens")
+import fp8
+import precision
+from config import LOSS_NORMS
+
 IGNORE_INDEX = -100  # targets equal to this carry no loss (padding); F.cross_entropy's default
+
+
+@dataclass
+class StepParts:
+    """Everything an optimizer step uses besides the model, built once by train.build."""
+    recipe: precision.Recipe  # the forward context
+    scaler: precision.LossScaler
+    optimizer: precision.MasterWeightOptimizer
+    grad_buffers: list = None  # FP32 sums of the micro-steps' gradients, or None (sum in .grad)
+    fp8_layers: list = ()  # fp8.FP8Linear layers, whose amax is folded once per optimizer step
 
 
 def effective_batch(micro_batch, world_size, accum, block_size):
@@ -38,68 +53,97 @@ def accum_from_total_tokens(total_batch_tokens, micro_batch, world_size, block_s
     return total_batch_tokens // per_micro_step
 
 
-def accumulation_step(model, optimizer, micro_batches, loss_norm="mean", use_no_sync=True):
+def fp32_grad_buffers(params):
+    """FP32 accumulation: the sum over micro-steps lives in FP32 buffers, so K 16-bit
+    gradients are not rounded to 16 bits K times (4 bytes per parameter more)."""
+    return [torch.zeros_like(p, dtype=torch.float32) for p in params if p.requires_grad]
+
+
+def loss_weights(micro_batches, loss_norm, ddp):
+    """(weights the micro-step losses are multiplied by, weights of this rank's logged mean loss).
+
+    "mean" divides each micro-batch's mean loss by K, right when every micro-batch has the
+    same number of target tokens. "tokens" weights each by its token count over the total:
+    when counts differ (padding, variable lengths), dividing by K would give a token in a
+    short micro-batch more weight than one in a long micro-batch."""
+    K = len(micro_batches)
+    if loss_norm == "mean":
+        return [1.0 / K] * K, [1.0 / K] * K
+    if loss_norm != "tokens":
+        raise ValueError(f"loss_norm must be one of {'|'.join(LOSS_NORMS)}, got {loss_norm!r}")
+    # each micro-batch's loss is a mean over its own valid tokens; times its count it
+    # becomes a sum, and over the global count the step's gradient is the per-token mean
+    counts = torch.stack([(y != IGNORE_INDEX).sum() for _, y in micro_batches])
+    total = counts.sum()  # int64 on the batch's device: NCCL reduces only device tensors
+    world = 1
+    if ddp:  # DDP averages over ranks (divides by world), so scale by world / global count
+        dist.all_reduce(total)
+        world = dist.get_world_size()
+    counts, total = counts.tolist(), total.item()  # one host sync for all of them
+    if total == 0:
+        raise ValueError("loss_norm=tokens: no target differs from IGNORE_INDEX in this optimizer step")
+    return [c * world / total for c in counts], [c / max(1, sum(counts)) for c in counts]
+
+
+def accumulation_step(model, parts, micro_batches, loss_norm="mean", use_no_sync=True, observe=None):
     """K forward+backward micro-steps and one optimizer step. Returns (mean loss, stepped, grad_norm).
 
     model: the module to call (a DistributedDataParallel wrapper under torchrun).
-    optimizer: precision.MasterWeightOptimizer (master weights, loss scaler).
+    parts: StepParts (recipe, loss scaler, optimizer, FP32 buffers, FP8 layers).
     micro_batches: list of K (x, y) pairs.
-    loss_norm: "mean" divides each micro-batch's mean loss by K, right when every micro-batch
-      has the same number of target tokens. "tokens" weights each by its token count over
-      the total: when counts differ (padding, variable lengths), dividing by K would give a
-      token in a short micro-batch more weight than one in a long micro-batch.
+    observe: None, or called with "forward", "backward", "gradients" and "step" as each
+      phase begins (memory_measure.py reads memory there; training passes nothing).
     """
-    K = len(micro_batches)
+    observe = observe or (lambda phase: None)
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    if loss_norm == "tokens":
-        # each micro-batch's loss is a mean over its own valid tokens; times its count it
-        # becomes a sum, and over the global count the step's gradient is the per-token mean
-        counts = torch.stack([(y != IGNORE_INDEX).sum() for _, y in micro_batches])
-        total = counts.sum()  # int64 on the batch's device: NCCL reduces only device tensors
-        world = 1
-        if ddp:  # DDP averages over ranks (divides by world), so scale by world / global count
-            dist.all_reduce(total)
-            world = dist.get_world_size()
-        counts, total = counts.tolist(), total.item()  # one host sync for all of them
-        if total == 0:
-            raise ValueError("loss_norm=tokens: no target differs from IGNORE_INDEX in this optimizer step")
-        weights = [c * world / total for c in counts]
-        log_weights = [c / max(1, sum(counts)) for c in counts]  # this rank's token mean, for the log
-    elif loss_norm == "mean":
-        weights = log_weights = [1.0 / K] * K
-    else:
-        raise ValueError(f"loss_norm must be one of {'|'.join(LOSS_NORMS)}, got {loss_norm!r}")
-    # with FP32 accumulation under DDP every micro-step skips DDP's all-reduce and we
-    # all-reduce the FP32 sums ourselves at the end (DDP can only reduce the 16-bit .grad)
-    fp32_buffers = optimizer.fp32_grad_accum
+    weights, log_weights = loss_weights(micro_batches, loss_norm, ddp)
+    buffers = parts.grad_buffers
     total_loss = 0.0
     for i, (x, y) in enumerate(micro_batches):
-        last = i == K - 1
-        skip_sync = ddp and (fp32_buffers or (use_no_sync and not last))
+        last = i == len(micro_batches) - 1
+        # with FP32 buffers under DDP every micro-step skips DDP's all-reduce and
+        # optimizer_step all-reduces the FP32 sums (DDP can only reduce the 16-bit .grad)
+        skip_sync = ddp and (buffers is not None or (use_no_sync and not last))
         # no_sync must cover the forward too: DDP decides at forward time whether this
         # backward will all-reduce, so a forward outside it would arm the all-reduce hooks
         with model.no_sync() if skip_sync else nullcontext():
-            with optimizer.forward_context():
-                _, loss = model(x, y)
+            observe("forward")
+            with parts.recipe.forward_context():
+                loss = model(x, y)[1]  # the logits are not kept: nothing in backward needs them
+            observe("backward")
             # a micro-batch with no valid tokens has a NaN mean loss but a zero gradient
             # (cross_entropy's backward writes 0 for ignored targets), and weight 0
-            optimizer.backward(loss * weights[i])
-        if fp32_buffers:
-            optimizer.move_grads_to_fp32_buffers()
+            parts.scaler.backward(loss * weights[i])
+        observe("gradients")
+        if buffers is not None:  # add this micro-step's 16-bit gradients into the FP32 sums
+            params = parts.optimizer.model_params
+            torch._foreach_add_(buffers, [p.grad.float() for p in params])
+            for p in params:
+                p.grad = None
         if log_weights[i]:
             # a tensor, not .item(): on a GPU an .item() per micro-step would stall the queue
             total_loss = total_loss + loss.detach().float() * log_weights[i]
-    if ddp and fp32_buffers:
-        all_reduce_mean(optimizer.grad_buffers)
-    if ddp and optimizer.fp8_modules:
-        # every rank must quantize with the same FP8 scales: fold the max amax over ranks
-        # (one all-reduce for all layers), as Transformer Engine does
-        amax = torch.stack([m.step_amax for m in optimizer.fp8_modules])
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
-        for m, a in zip(optimizer.fp8_modules, amax):
-            m.step_amax.copy_(a)
-    stepped, grad_norm = optimizer.step()
+    observe("step")
+    stepped, grad_norm = optimizer_step(parts, ddp)
     return float(total_loss), stepped, grad_norm
+
+
+def optimizer_step(parts, ddp=False):
+    """After the K micro-steps: the optimizer step, the loss scaler, the FP8 amax, zeroed gradients."""
+    if parts.grad_buffers is not None:
+        if ddp:
+            all_reduce_mean(parts.grad_buffers)
+        grads = parts.grad_buffers
+    else:
+        grads = [p.grad for p in parts.optimizer.model_params]
+    stepped, grad_norm = parts.optimizer.step(grads, parts.scaler.loss_scale)
+    parts.scaler.update(found_inf=not stepped)
+    # the FP8 amax history moves once per optimizer step, whatever recompute re-ran
+    fp8.fold_amax(parts.fp8_layers, across_ranks=ddp)
+    parts.optimizer.zero_grad()
+    if parts.grad_buffers is not None:
+        torch._foreach_zero_(parts.grad_buffers)
+    return stepped, grad_norm
 
 
 def all_reduce_mean(tensors):

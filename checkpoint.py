@@ -18,16 +18,18 @@ Policies (CKPT=):
 
 Cost: a recomputed unit runs its forward twice, so `full` adds one forward of the
 blocks, about +33% of a step (forward 1 unit of work, backward 2).
-`python checkpoint.py [train.py flags]` counts it with FlopCounterMode for each policy.
+`make flops` (tools/demos.py) counts it with FlopCounterMode for each policy.
 
-Model save/resume is called a *snapshot* in this project (train.py), never a checkpoint.
+Model save/resume is called a *snapshot* in this project (snapshot.py), never a checkpoint.
 """
 import math
 from contextlib import contextmanager, nullcontext
 
 import torch
 
-CKPT_CHOICES = ("none", "full", "sqrt", "selective")
+from config import CKPT_POLICIES
+from model import run_blocks_in_order, run_directly
+from snapshot import rng_state, set_rng_state
 
 _recompute_depth = 0  # > 0 while a backward is re-running a forward
 
@@ -45,19 +47,6 @@ def _recomputing():
         yield
     finally:
         _recompute_depth -= 1
-
-
-def _rng_state(device):
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state, device):
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _autocast_state(device):
@@ -89,7 +78,7 @@ class Recompute(torch.autograd.Function):
         ctx.non_tensors = [None if t else a for a, t in zip(args, ctx.is_tensor)]
         tensors = [a for a in args if torch.is_tensor(a)]
         ctx.device = tensors[0].device if tensors else torch.device("cpu")
-        ctx.rng = _rng_state(ctx.device)  # so dropout draws the same masks when re-run
+        ctx.rng = rng_state(ctx.device)  # so dropout draws the same masks when re-run
         ctx.autocast = _autocast_state(ctx.device)  # backward runs outside the caller's autocast
         ctx.save_for_backward(*tensors)  # the only activations this unit keeps
         with torch.no_grad():
@@ -106,8 +95,8 @@ class Recompute(torch.autograd.Function):
             inputs.append(arg)
         # re-run with the forward's RNG state and autocast state, then put the backward's
         # own RNG state back: the caller's random stream must not notice the re-run
-        outer_rng = _rng_state(ctx.device)
-        _set_rng_state(ctx.rng, ctx.device)
+        outer_rng = rng_state(ctx.device)
+        set_rng_state(ctx.rng, ctx.device)
         try:
             with torch.enable_grad(), _recomputing(), _autocast(ctx.autocast):
                 # fn gets non-leaf aliases of the leaves: module hooks (FlopCounterMode's
@@ -116,7 +105,7 @@ class Recompute(torch.autograd.Function):
                 outputs = ctx.fn(*(x.view_as(x) if torch.is_tensor(x) and x.requires_grad else x
                                    for x in inputs))
         finally:
-            _set_rng_state(outer_rng, ctx.device)
+            set_rng_state(outer_rng, ctx.device)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         wrt = [x for x in inputs if torch.is_tensor(x) and x.requires_grad] + \
               [p for p in ctx.params if p.requires_grad]
@@ -149,11 +138,10 @@ def segments(n_layer, policy, segment=0):
 
 def apply_policy(model, policy, segment=0):
     """Set model.block_runner / each attention's core_runner for a CKPT policy."""
-    if policy not in CKPT_CHOICES:
-        raise ValueError(f"ckpt must be one of {'|'.join(CKPT_CHOICES)}, got {policy!r}")
+    if policy not in CKPT_POLICIES:
+        raise ValueError(f"ckpt must be one of {'|'.join(CKPT_POLICIES)}, got {policy!r}")
     if segment < 0:
         raise ValueError(f"ckpt_segment must be >= 0 (0 = round(sqrt(n_layer))), got {segment}")
-    from model import run_blocks_in_order, run_directly
     model.block_runner = run_blocks_in_order
     for block in model.h:
         block.attn.core_runner = run_directly
@@ -193,32 +181,3 @@ def recompute_flops_per_token(model, policy, segment=0):
     if policy == "selective":
         return attention_core
     return 0
-
-
-def counted_step_flops(flags):
-    """{policy: FLOPs of one forward + backward}, counted by FlopCounterMode, for train.py flags.
-    FP32 and manual attention: the counter sees the attention core's matmuls as plain ops."""
-    from torch.utils.flop_counter import FlopCounterMode
-    import train
-    flops = {}
-    for policy in CKPT_CHOICES:
-        cfg = train.parse_args([*flags, "--precision=fp32", "--attn=manual", f"--ckpt={policy}", "--device=cpu"])
-        model, _ = train.build(cfg)
-        x = torch.randint(0, model.cfg.vocab_size, (cfg.batch_size, cfg.block_size))
-        with FlopCounterMode(display=False) as counter:
-            model(x, x)[1].backward()
-        flops[policy] = counter.get_total_flops()
-    return flops
-
-
-if __name__ == "__main__":
-    import sys
-    import train
-    try:
-        counted = counted_step_flops(sys.argv[1:])
-    except train.UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print("FLOPs of one forward + backward, counted by torch.utils.flop_counter.FlopCounterMode:")
-    for policy, n in counted.items():
-        print(f"  {policy:9} {n / 1e9:9.2f} GFLOP  {100 * (n / counted['none'] - 1):+6.1f}% vs none")

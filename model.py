@@ -1,10 +1,11 @@
 """The GPT: a small nanoGPT-style decoder that the memory techniques act on.
 
 Chapter: none of the techniques by itself; this is the model every section measures.
-Read first: `GPT.forward`, then `Block` and `CausalSelfAttention.core`.
+Read first: `GPT.forward`, then `Block` and `CausalSelfAttention.core`. It is built
+from config.Config (n_layer, n_head, n_embd, block_size, vocab_size, dropout, bias, attn).
 
 Three seams let the other files change the model without forking it:
-- every Linear is built by `linear_factory` (precision.py swaps in an FP8 Linear);
+- every Linear is built by `linear_factory` (precision.py's recipe swaps in an FP8 Linear);
 - `GPT.forward` runs the blocks through `self.block_runner` (checkpoint.py swaps in
   a runner that recomputes blocks or segments of blocks);
 - the attention core (QK^T, softmax, dropout, @V) is its own callable,
@@ -12,38 +13,9 @@ Three seams let the other files change the model without forking it:
   selective policy recomputes just that).
 """
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-ATTN_CHOICES = ("manual", "sdpa")
-
-
-@dataclass
-class GPTConfig:
-    block_size: int = 256
-    vocab_size: int = 256  # bytes: no tokenizer
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 256
-    dropout: float = 0.0
-    bias: bool = True
-    attn: str = "manual"
-
-    def validate(self):
-        """Raise ValueError with a one-line reason for a shape that cannot be built."""
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.attn not in ATTN_CHOICES:
-            raise ValueError(f"attn must be one of {'|'.join(ATTN_CHOICES)}, got {self.attn!r}")
-
 
 def default_linear(in_features, out_features, bias):
     return nn.Linear(in_features, out_features, bias=bias)
@@ -123,8 +95,7 @@ def run_blocks_in_order(blocks, x):
 class GPT(nn.Module):
     def __init__(self, cfg, linear_factory=default_linear):
         super().__init__()
-        cfg.validate()
-        self.cfg = cfg
+        self.cfg = cfg  # config.Config, validated by config.validate
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 import accumulate  # noqa: E402
 import train  # noqa: E402
+from config import Config  # noqa: E402
 
 K, B, STEPS = 3, 2, 2  # micro-steps, sequences per micro-batch, optimizer steps per case
 
@@ -32,7 +33,7 @@ def tiny_config(**kw):
     base = dict(n_layer=2, n_embd=32, n_head=2, block_size=16, precision="fp32", grad_clip=0.0,
                 dropout=0.0, device="cpu", learning_rate=1e-2, warmup_iters=0)
     base.update(kw)
-    return train.Config(**base)
+    return Config(**base)
 
 
 def make_batches(seed, n, batch, block, pad=None):
@@ -54,15 +55,14 @@ def rank_slice(batches, rank, world, k):
     return batches[rank * k:(rank + 1) * k]
 
 
-def record_grads(opt, sink):
-    """Wrap opt.step so the gradients it is about to use are copied into sink first."""
-    step = opt.step
+def record_grads(parts, sink):
+    """Wrap the optimizer's step so the gradients it is about to use are copied into sink first."""
+    step = parts.optimizer.step
 
-    def recording_step():
-        grads = opt.grad_buffers if opt.fp32_grad_accum else [p.grad for p in opt.model_params]
+    def recording_step(grads, loss_scale=1.0):
         sink.append([g.detach().float().clone() for g in grads])
-        return step()
-    opt.step = recording_step
+        return step(grads, loss_scale)
+    parts.optimizer.step = recording_step
 
 
 def count_allreduces(ddp, counter):
@@ -103,17 +103,17 @@ def run_grads(out, rank, world):
     results = {}
     for name, case in CASES.items():
         cfg = tiny_config(**case["cfg"])
-        model, opt = train.build(cfg, torch.device("cpu"))
+        model, parts = train.build(cfg, torch.device("cpu"))
         # a small bucket cap gives several buckets even for this tiny model
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
         counter, grads, rec = [0], [], dict(grads=[], params=[], allreduces=[], buckets=[])
         count_allreduces(ddp, counter)
-        record_grads(opt, grads)
+        record_grads(parts, grads)
         for step in range(STEPS):
             batches = make_batches(seed_of(name, step), world * K, B, cfg.block_size, case["pad"])
             rec["params"].append({k: v.detach().clone() for k, v in model.state_dict().items()})
             counter[0] = 0
-            accumulate.accumulation_step(ddp, opt, rank_slice(batches, rank, world, K), case["loss_norm"],
+            accumulate.accumulation_step(ddp, parts, rank_slice(batches, rank, world, K), case["loss_norm"],
                                          case["no_sync"])
             rec["allreduces"].append(counter[0])
             rec["buckets"].append(n_buckets(ddp))
@@ -121,7 +121,7 @@ def run_grads(out, rank, world):
         results[name] = rec
     # the claim in accumulate.py's comment: no_sync around the backward only is not enough
     cfg = tiny_config()
-    model, opt = train.build(cfg, torch.device("cpu"))
+    model, parts = train.build(cfg, torch.device("cpu"))
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
     counter = [0]
     count_allreduces(ddp, counter)
@@ -139,8 +139,8 @@ def run_train(out, rank, argv):
     build, train_loop = train.build, train.train
 
     def keep_build(*a, **kw):
-        kept["model"], opt = build(*a, **kw)
-        return kept["model"], opt
+        kept["model"], parts = build(*a, **kw)
+        return kept["model"], parts
 
     def keep_train(cfg, log=print):
         kept["history"] = train_loop(cfg, log)

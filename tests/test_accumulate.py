@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import accumulate
+import snapshot
 import train
+from config import parse_args
 from ddp_worker import CASES, K, STEPS, B, make_batches, rank_slice, record_grads, seed_of, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,10 +152,10 @@ def padded_micro_batches(n=4, seed=3):
 
 def accumulated_grads(cfg, batches, loss_norm):
     """(the gradients the optimizer steps with, the model) after one accumulation_step."""
-    model, opt = train.build(cfg, torch.device("cpu"))
+    model, parts = train.build(cfg, torch.device("cpu"))
     sink = []
-    record_grads(opt, sink)
-    accumulate.accumulation_step(model, opt, batches, loss_norm)
+    record_grads(parts, sink)
+    accumulate.accumulation_step(model, parts, batches, loss_norm)
     return sink[0], model
 
 
@@ -176,15 +178,15 @@ def test_token_weighted_loss_with_an_all_padding_micro_batch():
     want = big_batch_grads(model.state_dict(), batches)
     got, _ = accumulated_grads(tiny_config(), batches[:1] + [empty] + batches[1:], "tokens")
     assert_grads_equal(got, want)
-    model, opt = train.build(tiny_config(), torch.device("cpu"))
-    loss, stepped, _ = accumulate.accumulation_step(model, opt, batches[:1] + [empty] + batches[1:], "tokens")
+    model, parts = train.build(tiny_config(), torch.device("cpu"))
+    loss, stepped, _ = accumulate.accumulation_step(model, parts, batches[:1] + [empty] + batches[1:], "tokens")
     assert stepped and loss == loss  # not NaN: the empty micro-batch is left out of the logged mean
 
 
 def test_bad_loss_norm_is_rejected():
-    model, opt = train.build(tiny_config(), torch.device("cpu"))
+    model, parts = train.build(tiny_config(), torch.device("cpu"))
     with pytest.raises(ValueError, match="loss_norm"):
-        accumulate.accumulation_step(model, opt, make_batches(0, 1, B, 16), "sum")
+        accumulate.accumulation_step(model, parts, make_batches(0, 1, B, 16), "sum")
 
 
 # ---------------------------------------------------------------- FP32 gradient accumulation
@@ -208,8 +210,8 @@ def test_fp32_grad_accum_is_closer_to_the_fp32_gradient():
     assert_grads_equal(got_fp32, exact)
     assert rel_err(got_bf16, exact) > 3e-3
     # without the flag the accumulation really happens in BF16 .grad (what the buffers avoid)
-    _, opt = train.build(tiny_config(precision="bf16"), torch.device("cpu"))
-    assert opt.grad_buffers is None and opt.model_params[0].dtype == torch.bfloat16
+    _, parts = train.build(tiny_config(precision="bf16"), torch.device("cpu"))
+    assert parts.grad_buffers is None and parts.optimizer.model_params[0].dtype == torch.bfloat16
 
 
 def micro_gradients_summed_in_fp32(params, batches, k, world):
@@ -275,13 +277,13 @@ def test_torchrun_params_identical_on_all_ranks(ddp_train, data_file):
     for k in p0:
         assert torch.equal(p0[k], p1[k]), k
     # it trained: the weights moved from the seeded initialisation
-    init, _ = train.build(train.parse_args(TRAIN_ARGS + ["--precision=bf16"]), torch.device("cpu"))
+    init, _ = train.build(parse_args(TRAIN_ARGS + ["--precision=bf16"]), torch.device("cpu"))
     assert not torch.equal(init.state_dict()["wte.weight"], p0["wte.weight"])
     # every step stepped, and each rank saw its own data stream (different local losses)
     h0, h1 = ranks[0]["history"], ranks[1]["history"]
     assert len(h0) == len(h1) == 3 and all(r["stepped"] for r in h0 + h1)
     assert all(a["loss"] != b["loss"] for a, b in zip(h0, h1))
-    assert (out / train.SNAPSHOT).exists()  # rank 0 wrote it
+    assert (out / snapshot.FILE).exists()  # rank 0 wrote it
 
 
 def test_torchrun_prints_the_effective_batch(ddp_train):

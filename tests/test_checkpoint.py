@@ -5,7 +5,6 @@ Everything runs in FP32 (or BF16) on CPU, where recompute must be bit-exact: the
 forward does the same ops on the same inputs with the same dropout masks.
 """
 import math
-import weakref
 
 import pytest
 import torch
@@ -16,8 +15,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import accumulate
 import checkpoint
+import memory_ledger
 import precision
-from model import GPT, GPTConfig, run_blocks_in_order
+from config import Config
+from memory_measure import SavedBytes
+from model import GPT, run_blocks_in_order
+from tools.demos import counted_step_flops
 
 B, T = 2, 32
 SMALL = dict(block_size=T, n_layer=4, n_head=2, n_embd=32)
@@ -36,7 +39,7 @@ def one_thread():
 
 def make_model(policy="none", segment=0, dtype=torch.float32, **cfg):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**SMALL, **cfg})).to(dtype)
+    model = GPT(Config(**{**SMALL, **cfg})).to(dtype)
     return checkpoint.apply_policy(model, policy, segment)
 
 
@@ -163,15 +166,16 @@ def test_autocast_region_is_recomputed_under_autocast():
 
 @pytest.mark.parametrize("precision_name,policy", [("fp32", "full"), ("fp32", "sqrt"), ("bf16", "full")])
 def test_accumulation_steps_equal_none(precision_name, policy):
-    dtype = precision.param_dtype(precision_name)
+    recipe = precision.recipe(Config(precision=precision_name))
     micro = [batch(seed=s, b=1) for s in range(3)]  # K = 3
 
     def run(policy):
-        model = make_model(policy, dtype=dtype, dropout=0.1)
-        opt = precision.MasterWeightOptimizer(model, precision_name, lr=1e-2,
-                                              fp32_grad_accum=precision_name != "fp32")
+        model = make_model(policy, dtype=recipe.param_dtype, dropout=0.1)
+        opt = precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, lr=1e-2)
+        buffers = accumulate.fp32_grad_buffers(model.parameters()) if recipe.master_weights else None
+        parts = accumulate.StepParts(recipe, recipe.loss_scaler(), opt, buffers)
         torch.manual_seed(5)
-        losses = [accumulate.accumulation_step(model, opt, micro)[0] for _ in range(2)]
+        losses = [accumulate.accumulation_step(model, parts, micro)[0] for _ in range(2)]
         return losses, [p.detach().clone() for p in model.parameters()]
     (ref_losses, ref_params), (losses, params) = run("none"), run(policy)
     assert losses == ref_losses and losses[1] < losses[0]
@@ -190,8 +194,10 @@ def test_ddp_no_sync_accumulation_equals_none():
         for policy in ("none", "full"):
             model = make_model(policy)
             ddp = torch.nn.parallel.DistributedDataParallel(model)
-            opt = precision.MasterWeightOptimizer(model, "fp32", lr=1e-2)
-            loss = accumulate.accumulation_step(ddp, opt, micro, use_no_sync=True)[0]
+            recipe = precision.recipe(Config(precision="fp32"))
+            opt = precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, lr=1e-2)
+            parts = accumulate.StepParts(recipe, recipe.loss_scaler(), opt)
+            loss = accumulate.accumulation_step(ddp, parts, micro, use_no_sync=True)[0]
             results.append((loss, [p.detach().clone() for p in model.parameters()]))
     finally:
         dist.destroy_process_group()
@@ -332,61 +338,6 @@ def test_recompute_flops():
 
 # ---------------------------------------------------------------- saved activations
 
-class SavedBytes:
-    """Count the bytes autograd saves for backward, by storage, while the context is open.
-
-    A storage is counted once however many tensors (views) of it are saved; parameters
-    (and buffers, when passed too) are not activations and are left out. `total` adds a storage each time it starts
-    being held; `live` follows what saved-tensor slots still hold (a node's saved
-    tensors are dropped when backward has run it, or when a recompute's inner graph
-    is freed), and `peak` is the most `live` ever was. Enter it around the forward
-    and again around the backward: the recompute's re-run forward saves through it too.
-    """
-
-    def __init__(self, params=()):
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.total = self.live = self.peak = 0
-        self._holders = {}  # storage pointer -> how many saved-tensor slots hold it
-
-    def _pack(self, t):
-        storage = t.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if key in self.params or nbytes == 0:
-            return t
-        if self._holders.get(key, 0) == 0:
-            self.total += nbytes
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        self._holders[key] = self._holders.get(key, 0) + 1
-        held = _Held(t)  # keeps the storage alive (so its pointer stays unique) until autograd drops it
-        weakref.finalize(held, self._release, key, nbytes)
-        return held
-
-    def _release(self, key, nbytes):
-        self._holders[key] -= 1
-        if self._holders[key] == 0:
-            self.live -= nbytes
-
-    @staticmethod
-    def _unpack(held):
-        return held.t if isinstance(held, _Held) else held
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-
-class _Held:
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t):
-        self.t = t
-
-
 LAYERS = (4, 9, 16, 25)
 MEM = dict(vocab_size=16, block_size=16, n_head=2, n_embd=16)  # tiny, so the head does not dominate
 MB = 2
@@ -480,11 +431,10 @@ def test_saved_bytes_selective_drops_the_attention_matrix(saved):
 
 
 def test_saved_bytes_equal_the_memory_ledger_formulas(saved):
-    import memory_ledger  # its formulas are derived from model.py's ops; here both are held to the bytes
+    # the ledger's formulas are derived from model.py's ops; here both are held to the bytes
     for policy in saved:
         for L in LAYERS:
-            shape = memory_ledger.Shape(L=L, h=MEM["n_embd"], a=MEM["n_head"], s=MEM["block_size"], b=MB,
-                                        V=MEM["vocab_size"], precision="fp32", ckpt=policy)
+            shape = Config(n_layer=L, batch_size=MB, precision="fp32", ckpt=policy, **MEM)
             assert saved[policy][L][0] == memory_ledger.activation_bytes(shape), (policy, L)
 
 
@@ -500,7 +450,7 @@ def test_no_grad_evaluation_equals_none(policy):
 
 def test_counted_step_flops_cli_agrees_with_the_formula():
     flags = ["--n_layer=3", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2"]
-    counted = checkpoint.counted_step_flops(flags)
+    counted = counted_step_flops(flags)
     model = make_model("none", n_layer=3, n_embd=32, n_head=2, block_size=16)
     tokens = 2 * 16
     for policy in ("full", "sqrt", "selective"):

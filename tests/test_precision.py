@@ -1,7 +1,7 @@
-"""precision.py: the loss scaler against torch.amp.GradScaler, master weights, FP16's
-underflow, the native FP8 Linear (quantization, forward, backward, training, recompute),
-the Transformer Engine backend's errors, and the dtype table CLI. CPU, tiny models:
-FP16 matmuls run at about 1 GFLOP/s on CPU."""
+"""precision.py and fp8.py: the recipe, the loss scaler against torch.amp.GradScaler,
+master weights, FP16's underflow, the native FP8 Linear (quantization, forward, backward,
+training, recompute), the Transformer Engine backend's errors, and the dtype table demo.
+CPU, tiny models: FP16 matmuls run at about 1 GFLOP/s on CPU."""
 import copy
 import subprocess
 import sys
@@ -10,11 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import accumulate
 import checkpoint
+import data
+import fp8
 import precision
 import train
+from config import Config, UsageError, parse_args
 from conftest import ROOT
-from precision import E4M3, E5M2, FP8Linear, LossScaler, MasterWeightOptimizer
+from fp8 import E4M3, E5M2, FP8Linear
+from precision import LossScaler, MasterWeightOptimizer
+from tools import demos
 
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=8", "--warmup_iters=5",
         "--learning_rate=3e-3", "--eval_interval=100000", "--log_interval=100000", "--sample_tokens=0",
@@ -22,7 +28,7 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
 
 
 def tiny_cfg(tmp_path, *extra):
-    return train.parse_args(TINY + [f"--out_dir={tmp_path}", *extra])
+    return parse_args(TINY + [f"--out_dir={tmp_path}", *extra])
 
 
 def run_losses(tmp_path, *extra):
@@ -44,8 +50,8 @@ def tail(losses):
 
 
 def a_batch(cfg, seed=0):
-    tokens = train.load_tokens("")
-    return train.Batches(tokens, cfg.block_size, cfg.batch_size, seed, torch.device("cpu")).next()
+    tokens = data.load_tokens("")
+    return data.Batches(tokens, cfg.block_size, cfg.batch_size, seed, torch.device("cpu")).next()
 
 
 # ---------------------------------------------------------------- the loss scaler
@@ -72,17 +78,18 @@ def drive_gradscaler(overflows, growth_interval):
 
 
 def drive_ours(overflows, growth_interval, hysteresis=1):
-    """Our scaler inside MasterWeightOptimizer (so its one-reduction inf check is exercised)."""
+    """Our scaler beside MasterWeightOptimizer (so its one-reduction inf check is exercised)."""
     model = torch.nn.Linear(4, 4).half()
     scaler = LossScaler("dynamic", growth_interval=growth_interval, hysteresis=hysteresis)
-    opt = MasterWeightOptimizer(model, "fp16", lr=0.1, loss_scaler=scaler)
+    recipe = precision.recipe(Config(precision="fp16"))
+    parts = accumulate.StepParts(recipe, scaler, MasterWeightOptimizer(model.parameters(), True, lr=0.1))
     scales, stepped_flags = [], []
     for bad in overflows:
         for p in model.parameters():
             p.grad = torch.full_like(p, 1e-3 * scaler.loss_scale)
         if bad:
             model.weight.grad[1, 2] = float("inf")  # one element of one gradient
-        stepped, _ = opt.step()
+        stepped, _ = accumulate.optimizer_step(parts)
         stepped_flags.append(stepped)
         scales.append(scaler.loss_scale)
     return scales, scaler.skipped_steps, stepped_flags
@@ -114,17 +121,18 @@ def test_scaler_hysteresis_tolerates_overflows_before_backing_off():
 
 
 def test_scaler_from_config_modes():
-    assert LossScaler.from_config("auto", "fp16").mode == "dynamic"
-    assert LossScaler.from_config("auto", "bf16").loss_scale == 1.0
-    assert LossScaler.from_config("1024", "fp16").loss_scale == 1024.0
+    scaler = lambda loss_scale, prec: precision.recipe(Config(loss_scale=loss_scale, precision=prec)).loss_scaler()
+    assert scaler("auto", "fp16").mode == "dynamic"
+    assert scaler("auto", "bf16").loss_scale == 1.0
+    assert scaler("1024", "fp16").loss_scale == 1024.0
     for bad in ("-1", "inf", "big"):
-        with pytest.raises(ValueError):
-            LossScaler.from_config(bad, "fp16")
+        with pytest.raises(UsageError):
+            parse_args([f"--loss_scale={bad}", "--precision=fp16"])
 
 
 def state_of(model, opt):
     return ([p.detach().clone() for p in model.parameters()], [m.detach().clone() for m in opt.master_params],
-            copy.deepcopy(opt.optimizer.state_dict()["state"]))
+            copy.deepcopy(opt.adamw.state_dict()["state"]))
 
 
 def assert_same_state(a, b):
@@ -138,21 +146,22 @@ def assert_same_state(a, b):
 
 def test_injected_inf_skips_exactly_that_step(tmp_path):
     cfg = tiny_cfg(tmp_path, "--precision=fp16", "--n_layer=1", "--n_embd=16", "--block_size=16", "--batch_size=2")
-    model, opt = train.build(cfg, torch.device("cpu"))
+    model, parts = train.build(cfg, torch.device("cpu"))
+    opt = parts.optimizer
     x, y = a_batch(cfg)
-    stepped, states, scales = [], [], [opt.scaler.loss_scale]
+    stepped, states, scales = [], [], [parts.scaler.loss_scale]
     for step in range(4):
-        with opt.forward_context():
+        with parts.recipe.forward_context():
             _, loss = model(x, y)
-        opt.backward(loss)
+        parts.scaler.backward(loss)
         if step == 2:
             model.h[0].mlp.c_fc.weight.grad[0, 0] = float("inf")
         states.append(state_of(model, opt))
-        stepped.append(opt.step()[0])
-        scales.append(opt.scaler.loss_scale)
+        stepped.append(accumulate.optimizer_step(parts)[0])
+        scales.append(parts.scaler.loss_scale)
     after = state_of(model, opt)
     assert stepped == [True, True, False, True]
-    assert opt.scaler.skipped_steps == 1
+    assert parts.scaler.skipped_steps == 1
     s0 = scales[0]
     assert scales == [s0, s0, s0, s0 / 2, s0 / 2]  # backed off at the skip only (growth needs 2000 clean)
     # step 2 changed nothing: weights, master weights, AdamW's m, v and step count
@@ -168,13 +177,13 @@ def test_bf16_master_weights_keep_updates_too_small_for_bf16():
     model = torch.nn.LayerNorm(64).to(torch.bfloat16)  # weight = 1.0: BF16 spacing below 1 is 2^-8
     naive = copy.deepcopy(model)
     lr, steps = 1e-3, 6
-    opt = MasterWeightOptimizer(model, "bf16", lr=lr, weight_decay=0.0, grad_clip=0.0)
+    opt = MasterWeightOptimizer(model.parameters(), True, lr=lr, weight_decay=0.0, grad_clip=0.0)
     naive_opt = torch.optim.AdamW(naive.parameters(), lr=lr, weight_decay=0.0)
     for _ in range(steps):
         for m in (model, naive):
             for p in m.parameters():
                 p.grad = torch.full_like(p, 1e-2)  # a constant gradient: AdamW moves each weight by ~lr
-        opt.step()
+        opt.step([p.grad for p in opt.model_params])
         naive_opt.step()
         naive_opt.zero_grad()
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
@@ -217,28 +226,28 @@ def test_fp16_without_scaling_underflows_as_the_demo_reports(tmp_path):
     ref_model.zero_grad()
     shares = {}
     for mode in ("none", "dynamic"):
-        model, opt = train.build(tiny_cfg(tmp_path, "--precision=fp16", f"--loss_scale={mode}", *common))
-        with opt.forward_context():
+        model, parts = train.build(tiny_cfg(tmp_path, "--precision=fp16", f"--loss_scale={mode}", *common))
+        with parts.recipe.forward_context():
             _, loss = model(x, y)
-        opt.backward(loss)  # the trainer's own path: loss * scale, backward in FP16
+        parts.scaler.backward(loss)  # the trainer's own path: loss * scale, backward in FP16
         shares[mode] = lost_share([p.grad for p in model.parameters()], ref, torch.float16)
         # the demonstration measures the same thing for the same model and batch
-        demo = precision.gradient_underflow(ref_model, x, y, torch.float16, opt.scaler.loss_scale, ref)
+        demo = demos.gradient_underflow(ref_model, x, y, torch.float16, parts.scaler.loss_scale, ref)
         assert demo["lost"] == pytest.approx(shares[mode], abs=1e-12)
-    bf16 = precision.gradient_underflow(ref_model, x, y, torch.bfloat16, 1.0, ref)
+    bf16 = demos.gradient_underflow(ref_model, x, y, torch.bfloat16, 1.0, ref)
     assert shares["none"] > 0.01  # a visible share of the gradient is gone or nearly so
     assert shares["dynamic"] < shares["none"] / 10
     assert bf16["lost"] < shares["none"] / 10
 
 
 def test_underflow_demo_rows_and_table():
-    rows = precision.underflow_demo(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=4)
+    rows = demos.underflow_demo(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=4)
     none, dynamic, bf16 = rows
     assert [r["dtype"] for r in rows] == ["float16", "float16", "bfloat16"]
     assert dynamic["loss_scale"] > 1 and not dynamic["overflow"]
     assert none["lost"] > dynamic["lost"] and none["lost"] > bf16["lost"]
     assert none["lost"] == pytest.approx(none["zero"] + none["subnormal"])
-    table = precision.format_underflow(rows)
+    table = demos.format_underflow(rows)
     assert f"{100 * none['lost']:.2f}%" in table and "bf16, no scaling" in table
 
 
@@ -247,9 +256,9 @@ def test_underflow_demo_rows_and_table():
 def test_fp8_round_trip_error_within_e4m3_precision():
     torch.manual_seed(0)
     x = torch.randn(4096) * torch.exp(2 * torch.randn(4096))  # a wide dynamic range
-    scale = precision.scale_from_amax(x.abs().amax(), torch.finfo(E4M3).max)
-    q = precision.quantize(x, scale, E4M3)
-    back = precision.dequantize(q, scale, torch.float32)
+    scale = fp8.scale_from_amax(x.abs().amax(), torch.finfo(E4M3).max)
+    q = fp8.quantize(x, scale, E4M3)
+    back = fp8.dequantize(q, scale, torch.float32)
     fi = torch.finfo(E4M3)
     assert q.dtype == E4M3 and q.element_size() == 1
     assert q.float().abs().max() == fi.max  # amax maps onto the FP8 max
@@ -287,9 +296,9 @@ def test_fp8_forward_matches_bf16_reference(recipe):
     assert 0 < err < 2 * torch.finfo(E4M3).eps / 2
     # against the same product of the dequantized operands, only BF16 output rounding remains
     amax_x, amax_w = x.detach().abs().amax().float(), layer.weight.abs().amax().float()
-    sx, sw = (precision.scale_from_amax(a, torch.finfo(E4M3).max) for a in (amax_x, amax_w))
-    xq = precision.dequantize(precision.quantize(x.detach(), sx, E4M3), sx, torch.float32)
-    wq = precision.dequantize(precision.quantize(layer.weight.detach(), sw, E4M3), sw, torch.float32)
+    sx, sw = (fp8.scale_from_amax(a, torch.finfo(E4M3).max) for a in (amax_x, amax_w))
+    xq = fp8.dequantize(fp8.quantize(x.detach(), sx, E4M3), sx, torch.float32)
+    wq = fp8.dequantize(fp8.quantize(layer.weight.detach(), sw, E4M3), sw, torch.float32)
     assert rel_err(y, F.linear(xq, wq, layer.bias.float())) < torch.finfo(torch.bfloat16).eps
 
 
@@ -334,16 +343,16 @@ def test_fp8_model_gradients_reach_every_parameter(tmp_path):
     grads = {}
     for prec in ("bf16", "fp8"):
         cfg = tiny_cfg(tmp_path, f"--precision={prec}")
-        model, opt = train.build(cfg, torch.device("cpu"))
+        model, parts = train.build(cfg, torch.device("cpu"))
         if prec == "fp8":
             n_fp8 = sum(isinstance(m, FP8Linear) for m in model.modules())
-            assert n_fp8 == 4 * cfg.n_layer and n_fp8 == len(opt.fp8_modules)
+            assert n_fp8 == 4 * cfg.n_layer and n_fp8 == len(parts.fp8_layers)
             assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-            assert all(m.dtype == torch.float32 for m in opt.master_params)
+            assert all(m.dtype == torch.float32 for m in parts.optimizer.master_params)
         x, y = a_batch(cfg)
-        with opt.forward_context():
+        with parts.recipe.forward_context():
             _, loss = model(x, y)
-        opt.backward(loss)
+        parts.scaler.backward(loss)
         grads[prec] = {n: p.grad for n, p in model.named_parameters()}
     for name, g in grads["fp8"].items():
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0, name
@@ -365,30 +374,30 @@ def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe):
     runs = {}
     for ckpt in ("none", "full"):
         cfg = tiny_cfg(tmp_path, "--precision=fp8", f"--fp8_recipe={recipe}", "--fp8_margin=1", f"--ckpt={ckpt}")
-        model, opt = train.build(cfg, torch.device("cpu"))
+        model, parts = train.build(cfg, torch.device("cpu"))
         calls = []  # (module, recomputing?, output) per FP8Linear forward
-        for m in opt.fp8_modules:
+        for m in parts.fp8_layers:
             m.register_forward_hook(lambda mod, inp, out: calls.append((mod, checkpoint.is_recomputing(), out)))
-        batches = train.Batches(train.load_tokens(""), cfg.block_size, cfg.batch_size, 0, torch.device("cpu"))
+        batches = data.Batches(data.load_tokens(""), cfg.block_size, cfg.batch_size, 0, torch.device("cpu"))
         grads, records = [], []
         for step in range(3):
             calls.clear()
             x, y = batches.next()
-            with opt.forward_context():
+            with parts.recipe.forward_context():
                 _, loss = model(x, y)
-            opt.backward(loss)
+            parts.scaler.backward(loss)
             grads.append([p.grad.clone() for p in model.parameters()])
-            records.append([m.recorded_forwards for m in opt.fp8_modules])
+            records.append([m.recorded_forwards for m in parts.fp8_layers])
             if ckpt == "full":
-                assert len(calls) == 2 * len(opt.fp8_modules)  # every FP8 forward ran twice
+                assert len(calls) == 2 * len(parts.fp8_layers)  # every FP8 forward ran twice
                 first = {id(m): out for m, rec, out in calls if not rec}
                 again = {id(m): out for m, rec, out in calls if rec}
                 assert first.keys() == again.keys()
                 for k in first:  # the recomputed forward used the same scales: same bits
                     assert torch.equal(first[k], again[k])
-            opt.step()
-        runs[ckpt] = (grads, records, [{k: v.clone() for k, v in m.state_dict().items()} for m in opt.fp8_modules],
-                      opt.fp8_modules)
+            accumulate.optimizer_step(parts)
+        runs[ckpt] = (grads, records, [{k: v.clone() for k, v in m.state_dict().items()} for m in parts.fp8_layers],
+                      parts.fp8_layers)
     for g_none, g_full in zip(runs["none"][0], runs["full"][0]):
         assert all(torch.equal(a, b) for a, b in zip(g_none, g_full))
     # one recorded forward per module per step, with or without recompute
@@ -404,14 +413,14 @@ def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe):
 
 def test_fp8_buffers_go_in_snapshots(tmp_path):
     cfg = tiny_cfg(tmp_path, "--precision=fp8")
-    model, opt = train.build(cfg, torch.device("cpu"))
+    model, parts = train.build(cfg, torch.device("cpu"))
     x, y = a_batch(cfg)
     _, loss = model(x, y)
-    opt.backward(loss)
-    opt.step()
+    parts.scaler.backward(loss)
+    accumulate.optimizer_step(parts)
     sd = model.state_dict()
     keys = [k for k in sd if k.endswith(("amax_history", "scale"))]
-    assert len(keys) == 2 * len(opt.fp8_modules)
+    assert len(keys) == 2 * len(parts.fp8_layers)
     assert all(sd[k].dtype == torch.float32 for k in keys)
     fresh, _ = train.build(cfg, torch.device("cpu"))
     fresh.load_state_dict(sd)
@@ -445,8 +454,8 @@ def test_te_backend_trains_on_gpu(tmp_path):
         pytest.skip("TE FP8 needs an sm89+ GPU")
     import transformer_engine.pytorch as te
     cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", "--device=cuda", "--n_embd=64", "--max_iters=30")
-    model, opt = train.build(cfg)
-    assert any(isinstance(m, te.Linear) for m in model.modules()) and opt.te_autocast is not None
+    model, parts = train.build(cfg)
+    assert any(isinstance(m, te.Linear) for m in model.modules()) and parts.recipe.fp8.backend == "te"
     losses, _ = run_losses(tmp_path, "--precision=fp8", "--fp8_backend=te", "--device=cuda", "--n_embd=64",
                            "--max_iters=30")
     assert losses[-1] < losses[0] - 1.0
@@ -465,10 +474,11 @@ def test_native_fp8_on_gpu_matches_cpu():
     assert rel_err(gl.weight.grad.cpu(), layer.weight.grad) < torch.finfo(torch.bfloat16).eps
 
 
-# ---------------------------------------------------------------- the CLI
+# ---------------------------------------------------------------- the demo
 
 def test_dtype_table_cli_prints_finfo_values():
-    r = subprocess.run([sys.executable, "precision.py"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "tools/demos.py", "dtypes"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 0
     rows = {line[:9].strip(): line.split() for line in r.stdout.splitlines()[1:]}
     for name, dtype in (("FP16", torch.float16), ("BF16", torch.bfloat16), ("FP8 E4M3", E4M3), ("FP8 E5M2", E5M2)):
@@ -477,6 +487,6 @@ def test_dtype_table_cli_prints_finfo_values():
 
 
 def test_cli_bad_argument_exits_2():
-    r = subprocess.run([sys.executable, "precision.py", "--bogus"], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "tools/demos.py", "--bogus"], cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("error:") and r.stderr.count("\n") == 1

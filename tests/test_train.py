@@ -7,8 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+import accumulate
+import data
 import precision
+import snapshot
 import train
+from config import Config, parse_args
 from conftest import ROOT
 
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64", "--batch_size=8", "--sample_tokens=0",
@@ -16,7 +20,7 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64", "--batch_
 
 
 def run(tmp_path, *flags):
-    cfg = train.parse_args([*TINY, f"--out_dir={tmp_path}", *flags])
+    cfg = parse_args([*TINY, f"--out_dir={tmp_path}", *flags])
     return [h["loss"] for h in train.train(cfg, log=lambda s: None)]
 
 
@@ -38,20 +42,21 @@ def test_bf16_master_weights_track_fp32(tmp_path):
 
 
 def test_bf16_params_and_fp32_master_after_steps(tmp_path):
-    cfg = train.parse_args([*TINY, "--precision=bf16", f"--out_dir={tmp_path}"])
-    model, opt = train.build(cfg, torch.device("cpu"))
+    cfg = parse_args([*TINY, "--precision=bf16", f"--out_dir={tmp_path}"])
+    model, parts = train.build(cfg, torch.device("cpu"))
+    opt = parts.optimizer
     x = torch.randint(0, 256, (2, 64))
     before = [m.clone() for m in opt.master_params]
     for _ in range(2):
-        opt.backward(model(x, x)[1])
+        parts.scaler.backward(model(x, x)[1])
         assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())  # 16-bit gradients
-        assert opt.step()[0]
+        assert accumulate.optimizer_step(parts)[0]
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert all(m.dtype == torch.float32 for m in opt.master_params)
     assert any(not torch.equal(a, b) for a, b in zip(before, opt.master_params))
     # the model's weights are the master copy rounded to bf16
     assert all(torch.equal(p, m.bfloat16()) for p, m in zip(model.parameters(), opt.master_params))
-    state = opt.optimizer.state[opt.master_params[0]]
+    state = opt.adamw.state[opt.master_params[0]]
     assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
 
 
@@ -69,36 +74,36 @@ def test_resume_is_bit_identical(tmp_path, prec):
 
 
 def test_interrupted_snapshot_write_leaves_previous_loadable(tmp_path, monkeypatch):
-    path = tmp_path / train.SNAPSHOT
-    train.save_snapshot(path, {"step": 1, "w": torch.arange(4.0)})
+    path = tmp_path / snapshot.FILE
+    snapshot.save(path, {"step": 1, "w": torch.arange(4.0)})
 
     def crash(obj, fh, *a, **k):
         fh.write(b"half a snapshot")
         raise KeyboardInterrupt("killed mid-write")
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        train.save_snapshot(path, {"step": 2, "w": torch.zeros(4)})
+        snapshot.save(path, {"step": 2, "w": torch.zeros(4)})
     monkeypatch.undo()
     state = torch.load(path, weights_only=True)
     assert state["step"] == 1 and torch.equal(state["w"], torch.arange(4.0))
 
 
 def test_default_data_is_stdlib_bytes_cached_once(tmp_path):
-    tokens = train.load_tokens("", cache_dir=tmp_path)
+    tokens = data.load_tokens("", cache_dir=tmp_path)
     assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint8
-    files = train.stdlib_files()
+    files = data.stdlib_files()
     assert len(tokens) == sum(f.stat().st_size for f in files) > 10_000_000
     assert all("site-packages" not in f.parts for f in files)
     assert tokens[:100].tobytes() == files[0].read_bytes()[:100]
     assert len(list(tmp_path.iterdir())) == 1  # one cache file, no temporaries left
-    again = train.load_tokens("", cache_dir=tmp_path)
+    again = data.load_tokens("", cache_dir=tmp_path)
     assert again.filename == tokens.filename
 
 
 def test_batches_are_seeded_windows(tmp_path):
     tokens = np.arange(1000, dtype=np.uint8)
-    a = train.Batches(tokens, 16, 4, seed=3, device=torch.device("cpu"))
-    b = train.Batches(tokens, 16, 4, seed=3, device=torch.device("cpu"))
+    a = data.Batches(tokens, 16, 4, seed=3, device=torch.device("cpu"))
+    b = data.Batches(tokens, 16, 4, seed=3, device=torch.device("cpu"))
     (xa, ya), (xb, yb) = a.next(), b.next()
     assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert torch.equal(xa[:, 1:], ya[:, :-1])  # targets are inputs shifted by one
@@ -109,7 +114,7 @@ def test_data_flag_reads_a_text_folder(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.txt").write_text("hello world " * 200)
     (tmp_path / "d" / "b.txt").write_text("second file " * 200)
-    tokens = train.load_tokens(str(tmp_path / "d"))
+    tokens = data.load_tokens(str(tmp_path / "d"))
     assert tokens.tobytes() == (("hello world " * 200) + ("second file " * 200)).encode()
 
 
@@ -195,8 +200,8 @@ def test_model_flops_formula_equals_counted_flops():
     # MFU's numerator: 6 x matmul weights + 12 L h s per token, counted by PyTorch for one
     # step of the manual attention (whose matmuls are ordinary ops the counter sees)
     from torch.utils.flop_counter import FlopCounterMode
-    from model import GPT, GPTConfig
-    model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64, attn="manual"))
+    from model import GPT
+    model = GPT(Config(block_size=64, n_layer=2, n_head=2, n_embd=64, attn="manual"))
     x = torch.randint(0, 256, (2, 64))
     with FlopCounterMode(display=False) as counter:
         model(x, x)[1].backward()

@@ -6,8 +6,8 @@ Read first: `measure_row` (one configuration: the median step after warm-up step
 This file exists beside train.py because timing many configurations, each in a
 fresh process so that its peak memory is its own, is a job the trainer does not have.
 
-    python bench.py [train.py flags as the base config] [--sections=precision,ckpt,memory,ddp,fp8wide]
-                    [--steps=N] [--warmup=N]
+    python tools/bench.py [train.py flags as the base config] [--sections=precision,ckpt,memory,ddp,fp8wide]
+                          [--steps=N] [--warmup=N]
 
 Rows go to the screen as a table and to out_dir/bench.jsonl as one JSON object each.
 Peak memory is CUDA's max_memory_allocated on a GPU and the process's peak RSS on CPU
@@ -20,26 +20,42 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
+HERE = Path(__file__).resolve().parent.parent  # the project's root: train.py and the chapter files
+sys.path.insert(0, str(HERE))
 
-import accumulate
-import memory_ledger
-import precision
-import train
+import torch  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
+import accumulate  # noqa: E402
+import checkpoint  # noqa: E402
+import flops  # noqa: E402
+import fp8  # noqa: E402
+import memory_ledger  # noqa: E402
+import precision  # noqa: E402
+import train  # noqa: E402
+from config import UsageError, key, parse_args, usage  # noqa: E402
+from data import Batches, load_tokens, split_tokens  # noqa: E402
+from snapshot import write_atomically  # noqa: E402
+
 SECTIONS = ("precision", "ckpt", "memory", "ddp", "fp8wide")
-DEFAULT_SECTIONS = "precision,ckpt,memory,ddp"  # fp8wide is for GPUs (make gpu-check): far too slow on CPU
 
 
-class AutocastReference(precision.MasterWeightOptimizer):
-    """PyTorch's own mixed precision, the reference: FP32 weights, matmuls under torch.autocast."""
+@dataclass
+class BenchOptions:
+    sections: str = key("precision,ckpt,memory,ddp", "comma-separated: " + ",".join(SECTIONS)
+                        + " (fp8wide is for GPUs: far too slow on CPU)")
+    steps: int = key(9, "timed optimizer steps per row (the median is reported)", at_least=1)
+    warmup: int = key(2, "untimed steps before them", at_least=0)
 
-    def __init__(self, model, device, **kw):
-        super().__init__(model, "fp32", **kw)
-        self.device_type = device.type
+
+class AutocastReference:
+    """PyTorch's own mixed precision, the reference: FP32 weights, matmuls under torch.autocast.
+    It stands in for the recipe in accumulate.StepParts, which only asks it for a forward context."""
+
+    def __init__(self, device_type):
+        self.device_type = device_type
 
     def forward_context(self):
         return torch.autocast(self.device_type, dtype=torch.bfloat16)
@@ -47,14 +63,14 @@ class AutocastReference(precision.MasterWeightOptimizer):
 
 def measure_row(flags, steps, warmup, autocast_reference=False):
     """Build the config's model, run warm-up steps, then time `steps` optimizer steps."""
-    cfg = train.parse_args(flags)
+    cfg = parse_args(flags)
     device = train.pick_device(cfg)
-    tokens, _ = train.split_tokens(train.load_tokens(cfg.data), cfg.block_size)
-    model, opt = train.build(cfg, device)
+    tokens, _ = split_tokens(load_tokens(cfg.data), cfg.block_size)
+    model, parts = train.build(cfg, device)
+    recipe = parts.recipe
     if autocast_reference:
-        opt = AutocastReference(model, device, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                betas=(cfg.beta1, cfg.beta2), grad_clip=cfg.grad_clip)
-    batches = train.Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
+        parts.recipe = AutocastReference(device.type)
+    batches = Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
     accum = train.resolve_accum(cfg, 1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
@@ -64,15 +80,17 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
         micro = [batches.next() for _ in range(accum)]
         sync()
         t0 = time.perf_counter()
-        accumulate.accumulation_step(model, opt, micro, cfg.loss_norm, cfg.no_sync)
+        accumulate.accumulation_step(model, parts, micro, cfg.loss_norm, cfg.no_sync)
         sync()
         times.append(time.perf_counter() - t0)
     # the median step: a shared 2-core machine adds outliers that a mean would report as speed
     dt = sorted(times[warmup:])[steps // 2]
     tokens_per_s = cfg.batch_size * accum * cfg.block_size / dt
     # autocast runs bf16 matmuls, so its MFU is against the bf16 peak
-    peak = train.peak_flops(train.parse_args(flags + ["--precision=bf16"]) if autocast_reference else cfg, device)
-    extra = train.checkpoint.recompute_flops_per_token(model, cfg.ckpt, cfg.ckpt_segment)
+    if autocast_reference:
+        recipe = precision.recipe(replace(cfg, precision="bf16"))
+    peak = flops.peak_flops(cfg, recipe, device)
+    extra = checkpoint.recompute_flops_per_token(model, cfg.ckpt, cfg.ckpt_segment)
     if device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(device)
     else:
@@ -80,11 +98,11 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
     # what autograd keeps for backward after the forward, from the ledger's formula (which its
     # tests hold to the measured saved-tensor bytes): the activation memory a policy saves
     activations = None if autocast_reference else \
-        memory_ledger.activation_bytes(memory_ledger.Shape.from_config(cfg, device=device.type))  # autocast: not modelled
-    return dict(precision="autocast-bf16" if autocast_reference else cfg.precision, ckpt=cfg.ckpt,
+        memory_ledger.activation_bytes(replace(cfg, device=device.type))  # autocast: not modelled
+    return dict(precision="autocast-bf16" if autocast_reference else recipe.name, ckpt=cfg.ckpt,
                 tokens_per_s=tokens_per_s, ms_per_step=1000 * dt,
-                mfu=tokens_per_s * model.flops_per_token() / peak if peak else None,
-                hfu=tokens_per_s * (model.flops_per_token() + extra) / peak if peak else None,
+                mfu=flops.utilization(tokens_per_s, model.flops_per_token(), peak),
+                hfu=flops.utilization(tokens_per_s, model.flops_per_token() + extra, peak),
                 peak_mem_bytes=peak_mem, activation_bytes=activations, device=str(device),
                 config=dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
                             batch_size=cfg.batch_size, accum=accum, attn=cfg.attn))
@@ -95,7 +113,7 @@ def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False):
     job = json.dumps(dict(flags=flags, steps=steps, warmup=warmup, autocast_reference=autocast_reference))
     r = subprocess.run([sys.executable, __file__, "--row", job], capture_output=True, text=True, cwd=HERE)
     if r.returncode == 2:  # bad input, already one line
-        raise train.UsageError(r.stderr.strip().splitlines()[-1].removeprefix("error: "))
+        raise UsageError(r.stderr.strip().splitlines()[-1].removeprefix("error: "))
     if r.returncode != 0:
         raise SystemExit(f"bench row {flags} failed:\n{r.stderr.strip()[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -130,36 +148,26 @@ def fmt(v, kind):
 
 
 def main(argv):
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip() + "\n\n" + usage("tools/bench.py", BenchOptions))
+        return 0
     try:
         return run_sections(argv)
-    except train.UsageError as e:
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
 def run_sections(argv):
-    opts = dict(sections=DEFAULT_SECTIONS, steps="9", warmup="2")
-    base = []
-    for a in argv:
-        key, eq, value = a[2:].partition("=")
-        if key in opts:
-            if not eq:
-                raise train.UsageError(f"--{key} needs a value: --{key}=...")
-            opts[key] = value
-        else:
-            base.append(a)
-    cfg = train.parse_args(base)
-    try:
-        steps, warmup = int(opts["steps"]), int(opts["warmup"])
-    except ValueError:
-        raise train.UsageError(f"--steps and --warmup take integers, got {opts['steps']!r}, {opts['warmup']!r}")
-    sections = opts["sections"].split(",")
-    if any(s not in SECTIONS for s in sections) or steps < 1 or warmup < 0:
-        raise train.UsageError(f"--sections takes {','.join(SECTIONS)}; --steps >= 1, --warmup >= 0")
+    cfg, opts = parse_args(argv, BenchOptions)
+    base = [a for a in argv if a.split("=")[0][2:] not in BenchOptions.__dataclass_fields__]
+    steps, warmup, sections = opts.steps, opts.warmup, opts.sections.split(",")
+    if any(s not in SECTIONS for s in sections):
+        raise UsageError(f"--sections takes {','.join(SECTIONS)}, got {opts.sections!r}")
     device = train.pick_device(cfg)
-    train.split_tokens(train.load_tokens(cfg.data), cfg.block_size)  # bad data fails here, not in a row
+    split_tokens(load_tokens(cfg.data), cfg.block_size)  # bad data fails here, not in a row
     on_cpu = device.type == "cpu"
-    fp8_error = precision.fp8_matmul_error(device)
+    fp8_error = fp8.fp8_matmul_error(device)
     given = {a.split("=")[0] for a in base}
     rows = []
 
@@ -215,7 +223,7 @@ def run_sections(argv):
                   f"{row['ms_per_step']:10.1f} ms/step {row['tokens_per_s']:12,.0f} tok/s", flush=True)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train.write_atomically(out / "bench.jsonl", lambda fh: fh.write("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    write_atomically(out / "bench.jsonl", lambda fh: fh.write("".join(json.dumps(r) + "\n" for r in rows).encode()))
     print(f"wrote {len(rows)} rows to {out / 'bench.jsonl'}")
     return 0
 
@@ -225,7 +233,7 @@ if __name__ == "__main__":
         job = json.loads(sys.argv[2])
         try:
             print(json.dumps(measure_row(job["flags"], job["steps"], job["warmup"], job["autocast_reference"])))
-        except train.UsageError as e:
+        except UsageError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         sys.exit(0)

@@ -1,0 +1,193 @@
+"""The one config: every key of a run, its choices, its meaning, and all validation.
+
+Chapter: none by itself; every section's switch is a key here (PRECISION, ACCUM, CKPT).
+Read first: `Config` (each key with its one-line meaning), then `validate`.
+
+Every key is a command-line flag (`--n_layer=8`) and, in capitals, a make variable
+(`make train N_LAYER=8` is not offered for all of them: see the Makefile; `ARGS=` takes
+any). The chapter files read a Config; they never parse arguments themselves. Bad input
+raises `UsageError`, which the programs print as one line and exit with status 2.
+"""
+import math
+import os
+from dataclasses import dataclass, field, fields
+
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+CKPT_POLICIES = ("none", "full", "sqrt", "selective")
+ATTENTIONS = ("manual", "sdpa")
+LOSS_NORMS = ("mean", "tokens")
+DEVICES = ("auto", "cpu", "cuda")
+FP8_BACKENDS = ("native", "te")
+FP8_RECIPES = ("delayed", "current")
+FP8_GRADS = ("bf16", "e5m2")
+
+
+class UsageError(Exception):
+    """Bad input: the programs print it as one line 'error: ...' and exit with status 2."""
+
+
+def key(default, meaning, choices=None, at_least=None):
+    """A config key: its default, a one-line meaning for --help, and what values it takes."""
+    return field(default=default, metadata=dict(meaning=meaning, choices=choices, at_least=at_least))
+
+
+@dataclass
+class Config:
+    # data and output
+    data: str = key("", "a text file or folder of text files; empty = this Python's standard library .py files")
+    out_dir: str = key("out", "where snapshot.pt (and the tools' reports) go")
+    seed: int = key(1337, "seed of the initial weights, the batches and dropout")
+    device: str = key("auto", "auto = cuda when there is one", DEVICES)
+    # model (model.py)
+    n_layer: int = key(4, "transformer blocks, L", at_least=1)
+    n_head: int = key(4, "attention heads, a", at_least=1)
+    n_embd: int = key(256, "width, h", at_least=1)
+    block_size: int = key(256, "context length in tokens, s", at_least=1)
+    vocab_size: int = key(256, "tokens are bytes: 256 (larger only for the ledger's what-if shapes)", at_least=256)
+    dropout: float = key(0.0, "dropout probability, in [0, 1)", at_least=0.0)
+    bias: bool = key(True, "biases in Linears and LayerNorms")
+    attn: str = key("manual", "attention core: manual (keeps the s x s softmax) or sdpa (fused)", ATTENTIONS)
+    # batch and accumulation (accumulate.py)
+    batch_size: int = key(8, "micro-batch: sequences per rank per micro-step", at_least=1)
+    accum: int = key(1, "micro-steps per optimizer step, K", at_least=1)
+    total_batch_tokens: int = key(0, "if > 0, derive accum from tokens per optimizer step", at_least=0)
+    loss_norm: str = key("mean", "loss / K (mean) or weighted by each micro-batch's target tokens", LOSS_NORMS)
+    no_sync: bool = key(True, "skip DDP's all-reduce on micro-steps 1..K-1")
+    fp32_grad_accum: bool = key(False, "sum micro-step gradients in FP32 buffers (16-bit precisions)")
+    # optimizer (precision.py's MasterWeightOptimizer)
+    max_iters: int = key(500, "optimizer steps to train for", at_least=1)
+    learning_rate: float = key(1e-3, "peak learning rate", at_least=0.0)
+    min_lr: float = key(1e-4, "learning rate at the end of the cosine decay", at_least=0.0)
+    warmup_iters: int = key(20, "steps of linear warmup", at_least=0)
+    lr_decay_iters: int = key(0, "step where the cosine decay ends; 0 = max_iters", at_least=0)
+    weight_decay: float = key(0.1, "AdamW weight decay (matrices only)", at_least=0.0)
+    beta1: float = key(0.9, "AdamW beta1, in [0, 1)", at_least=0.0)
+    beta2: float = key(0.95, "AdamW beta2, in [0, 1)", at_least=0.0)
+    grad_clip: float = key(1.0, "clip the gradient norm to this; 0 = off", at_least=0.0)
+    # precision (precision.py, fp8.py, fp8_te.py): read only by precision.recipe()
+    precision: str = key("bf16", "parameter/activation dtype; fp8 = bf16 with FP8 Linear matmuls", PRECISIONS)
+    loss_scale: str = key("auto", "auto (dynamic for fp16, else none) | dynamic | none | a number")
+    loss_scale_hysteresis: int = key(1, "overflows tolerated before the dynamic scale backs off", at_least=1)
+    fp8_backend: str = key("native", "native (ours, fp8.py) or te (Transformer Engine, fp8_te.py)", FP8_BACKENDS)
+    fp8_recipe: str = key("delayed", "scale from an amax history (delayed) or this tensor's amax (current)",
+                          FP8_RECIPES)
+    fp8_amax_history: int = key(16, "amax history length of the delayed recipe", at_least=1)
+    fp8_margin: int = key(0, "scale = fp8_max / amax / 2**margin", at_least=0)
+    fp8_grad: str = key("bf16", "backward in bf16 (the chapter) or gradients in FP8 E5M2 (TE's HYBRID)", FP8_GRADS)
+    # activation checkpointing (checkpoint.py)
+    ckpt: str = key("none", "what backward recomputes instead of keeping", CKPT_POLICIES)
+    ckpt_segment: int = key(0, "blocks per recompute unit for ckpt=sqrt; 0 = round(sqrt(n_layer))", at_least=0)
+    # logging, evaluation, snapshots (train.py)
+    log_interval: int = key(10, "steps between progress lines", at_least=1)
+    eval_interval: int = key(100, "steps between validation losses", at_least=1)
+    eval_iters: int = key(10, "batches per validation loss", at_least=1)
+    snapshot_interval: int = key(0, "steps between snapshots; 0 = only at the end", at_least=0)
+    resume: bool = key(False, "continue from out_dir/snapshot.pt")
+    sample_tokens: int = key(200, "bytes to sample at the end; 0 = none", at_least=0)
+    peak_flops: float = key(0.0, "FLOP/s for MFU; 0 = a table on CUDA, a quick measurement on CPU", at_least=0.0)
+    ledger: bool = key(True, "after the first step, the memory ledger's prediction beside the allocator's figures")
+    sample_only: bool = key(False, "load out_dir's snapshot, print a sample, train nothing")
+
+
+# ---------------------------------------------------------------- validation
+
+def check_keys(obj):
+    """Choices and lower bounds declared with `key`, for any dataclass of keys; floats must be finite."""
+    for f in fields(obj):
+        value, meta = getattr(obj, f.name), f.metadata
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{f.name} must be a finite number, got {value}")
+        if meta.get("choices") and value not in meta["choices"]:
+            raise UsageError(f"--{f.name}={value} is not one of {'|'.join(meta['choices'])}")
+        if meta.get("at_least") is not None and value < meta["at_least"]:
+            raise UsageError(f"--{f.name} must be >= {meta['at_least']}, got {value}")
+
+
+def validate(cfg):
+    """Raise UsageError for a config that cannot run. Everything that needs no machine is here."""
+    check_keys(cfg)
+    if cfg.n_embd % cfg.n_head:
+        raise UsageError(f"n_head={cfg.n_head} does not divide n_embd={cfg.n_embd}")
+    if cfg.dropout >= 1.0:
+        raise UsageError(f"dropout must be in [0, 1), got {cfg.dropout}")
+    for name in ("beta1", "beta2"):
+        if getattr(cfg, name) >= 1.0:
+            index = 0 if name == "beta1" else 1
+            raise UsageError(f"--{name} must be in [0, 1) (AdamW's beta parameter at index {index}), "
+                             f"got {getattr(cfg, name)}")
+    if cfg.total_batch_tokens and cfg.accum != 1:
+        raise UsageError("give --accum or --total_batch_tokens (which derives accum), not both")
+    if cfg.ckpt == "selective" and cfg.attn != "manual":
+        raise UsageError("ckpt=selective recomputes the manual attention core; use attn=manual "
+                         "(attn=sdpa already recomputes its core inside the kernel)")
+    if cfg.loss_scale not in ("auto", "dynamic", "none"):
+        try:
+            value = float(cfg.loss_scale)
+        except ValueError:
+            raise UsageError(f"loss_scale must be auto|dynamic|none|<number>, got {cfg.loss_scale!r}") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise UsageError(f"a static loss_scale must be a positive finite number, got {cfg.loss_scale!r}")
+    if cfg.precision == "fp8" and cfg.n_embd % 16:
+        raise UsageError(f"fp8 needs Linear dimensions divisible by 16 (an FP8 GEMM requirement), got "
+                         f"n_embd={cfg.n_embd}: use an n_embd that is a multiple of 16")
+    return cfg
+
+
+# ---------------------------------------------------------------- the --key=value parser
+
+def _convert(f, text):
+    if f.type is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise UsageError(f"--{f.name} expects true|false, got {text!r}")
+    try:
+        return f.type(text)
+    except ValueError:
+        kind = {int: "int (an integer)", float: "float (a number)"}.get(f.type, f.type.__name__)
+        raise UsageError(f"--{f.name} expects {kind}, got {text!r}") from None
+
+
+def parse_args(argv, *extra):
+    """Config from ["--key=value", ...]; a bare --flag sets a bool to true.
+
+    `extra`: more dataclasses of keys (a tool's own options, e.g. the ledger's --tp): their
+    flags are parsed in the same pass and one instance of each is returned after the Config."""
+    owners = {f.name: (cls, f) for cls in (Config, *extra) for f in fields(cls)}
+    values = {cls: {} for cls in (Config, *extra)}
+    for arg in argv:
+        if not arg.startswith("--"):
+            raise UsageError(f"unexpected argument {arg!r}; use --key=value (see --help)")
+        name, eq, text = arg[2:].partition("=")
+        if name not in owners:
+            raise UsageError(f"unknown flag --{name} (see --help)")
+        cls, f = owners[name]
+        if not eq:
+            if f.type is not bool:
+                raise UsageError(f"--{name} needs a value: --{name}=...")
+            text = "true"
+        values[cls][name] = _convert(f, text)
+    cfg = validate(Config(**values[Config]))
+    if not extra:
+        return cfg
+    tools = [cls(**values[cls]) for cls in extra]
+    for t in tools:
+        check_keys(t)
+    return (cfg, *tools)
+
+
+def usage(program="train.py", *extra):
+    lines = [f"usage: python {program} [--key=value ...]", ""]
+    for cls in (*extra, Config):
+        for f in fields(cls):
+            choices = f.metadata.get("choices")
+            default = "|".join(choices) if choices else repr(f.default)
+            lines.append(f"  --{f.name}={default}".ljust(40) + f" {f.metadata.get('meaning', '')}"
+                         + (f" (default {f.default})" if choices else ""))
+    return "\n".join(lines)
+
+
+def world_size():
+    """Processes in this run: torchrun sets WORLD_SIZE; 1 otherwise."""
+    return int(os.environ.get("WORLD_SIZE", 1))

@@ -1,0 +1,240 @@
+"""Measuring the ledger: the bytes of a real training step, counted from live tensors.
+
+Chapter section 4: the formulas of memory_ledger.py are only worth something if they
+agree with what a step really allocates. Read first: `SavedBytes` (what autograd keeps
+for backward), then `LiveTensors` (every storage alive, op by op, like CUDA's
+memory_allocated), then `measure`, which runs accumulate.accumulation_step itself and
+reads memory at each of its phases.
+
+On CPU both counters are exact: they see every storage by identity. On CUDA the caching
+allocator's own counters stand in for LiveTensors (they round each block up to 512 bytes).
+"""
+import weakref
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import accumulate
+
+
+def storage_key(t):
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+def storage_ids(tensors):
+    return {storage_key(t) for t in tensors if t is not None}
+
+
+def storage_bytes(tensors, device=None, exclude=()):
+    """Bytes of the distinct storages behind `tensors` (on `device`), skipping ids in `exclude`."""
+    seen = {}
+    for t in tensors:
+        if t is None or (device is not None and t.device.type != torch.device(device).type):
+            continue
+        if storage_key(t) not in exclude:
+            seen[storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+class SavedBytes:
+    """Count the bytes autograd saves for backward, by storage, while the context is open.
+
+    A storage is counted once however many tensors (views) of it are saved; storages of
+    `static` tensors (parameters, buffers, optimizer states) are not activations and are
+    left out: a saved view of one (masked_fill's view of the causal-mask buffer) costs
+    nothing new. `total` adds a storage each time it starts being held; `live` follows what
+    saved-tensor slots still hold (a node's saved tensors are dropped when backward has run
+    it, or when a recompute's inner graph is freed), and `peak` is the most `live` ever was.
+    The recompute's re-run forward in backward saves through it too.
+    """
+
+    def __init__(self, static=()):
+        self.static = storage_ids(static)
+        self.total = self.live = self.peak = 0
+        self._holders = {}  # storage key -> how many saved-tensor slots hold it
+
+    def _pack(self, t):
+        key, nbytes = storage_key(t), t.untyped_storage().nbytes()
+        if key in self.static or nbytes == 0:
+            return t
+        if self._holders.get(key, 0) == 0:
+            self.total += nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self._holders[key] = self._holders.get(key, 0) + 1
+        held = _Held(t)  # keeps the storage alive (so its key stays unique) until autograd drops it
+        weakref.finalize(held, self._release, key, nbytes)
+        return held
+
+    def _release(self, key, nbytes):
+        self._holders[key] -= 1
+        if self._holders[key] == 0:
+            self.live -= nbytes
+
+    @staticmethod
+    def _unpack(held):
+        return held.t if isinstance(held, _Held) else held
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class _Held:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
+
+
+class LiveTensors(TorchDispatchMode):
+    """Counts the bytes of distinct live storages on one device, op by op, like CUDA's
+    memory_allocated: every op's outputs are registered by storage, and storages whose last
+    tensor has died are dropped (checked through weak references before each count)."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device)
+        self.live = {}  # storage id -> (weak ref, bytes)
+        self.now = self.peak = 0
+        self.phase = self.peak_phase = "start"
+
+    def adopt(self, tensors):
+        """Start counting storages made before the tracker was switched on."""
+        for t in tensors:
+            self._add(t)
+        self._count()
+
+    def _add(self, t):
+        if not isinstance(t, torch.Tensor) or t.device.type != self.device.type or t.is_meta:
+            return
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        ref = StorageWeakRef(st)
+        old = self.live.get(ref.cdata)
+        if old is None or old[0].expired():
+            self.live[ref.cdata] = (ref, st.nbytes())
+
+    def _count(self):
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.now = sum(n for _, n in self.live.values())
+        if self.now > self.peak:
+            self.peak, self.peak_phase = self.now, self.phase
+        return self.now
+
+    def read(self):
+        return self._count()
+
+    def start_phase(self, name):
+        self.phase = name
+
+    def reset_peak(self):
+        self.peak, self.peak_phase = self._count(), self.phase
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        for t in tree_leaves(out):
+            self._add(t)
+        self._count()
+        return out
+
+
+class CudaAllocator:
+    """The same interface on CUDA: the caching allocator's own counters. Every phase starts
+    with reset_peak_memory_stats, so max_memory_allocated is that phase's peak. (It resets
+    the process's peak statistics: the tools run it in their own process, never a training run.)"""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.phase = self.peak_phase = "start"
+        self.peak = 0
+
+    def adopt(self, tensors):
+        pass
+
+    def _fold(self):
+        torch.cuda.synchronize(self.device)
+        high = torch.cuda.max_memory_allocated(self.device)
+        if high > self.peak:
+            self.peak, self.peak_phase = high, self.phase
+
+    def read(self):
+        self._fold()
+        return torch.cuda.memory_allocated(self.device)
+
+    def start_phase(self, name):
+        self._fold()
+        self.phase = name
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def reset_peak(self):
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak, self.peak_phase = torch.cuda.memory_allocated(self.device), self.phase
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def random_batch(cfg, device, b=None):
+    """A seeded (x, y) of random bytes, b sequences of cfg.block_size."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    b = b or cfg.batch_size
+    xy = torch.randint(0, 256, (b, cfg.block_size + 1), generator=g)
+    return xy[:, :-1].contiguous().to(device), xy[:, 1:].contiguous().to(device)
+
+
+def measure(model, parts, batch, device):
+    """Run one accumulation_step of (model, parts) on one micro-batch, and count.
+
+    Call it when the optimizer states already exist (after a first step): the steady state.
+    Returns measured bytes per component, the phase readings and the peak with its phase.
+    parameters, master, optimizer, buffers and gradients are storage sizes on every device
+    (gradients: the distinct storages of the .grad tensors once backward is done, plus the
+    FP32 buffers with fp32_grad_accum), so they can match the formulas to the byte.
+    activations: saved-tensor storages on CPU, the allocator's growth over the forward on
+    CUDA. Storages of parameters and buffers never count as activations.
+    """
+    device = torch.device(device)
+    opt = parts.optimizer
+    params, buffers = list(model.parameters()), list(model.buffers())
+    static = params + buffers + opt.master_params + opt.state_tensors()
+    cuda = device.type == "cuda"
+    tracker = CudaAllocator(device) if cuda else LiveTensors(device)
+    out = dict(parameters=storage_bytes(params, device),
+               buffers=storage_bytes(buffers, device, exclude=storage_ids(params)),
+               master=storage_bytes(opt.master_params, device, exclude=storage_ids(params)),
+               optimizer=storage_bytes(opt.state_tensors(), device))
+    phase, saved = {}, SavedBytes(static)
+
+    def observe(name):
+        phase[name] = tracker.read()
+        if name == "backward":
+            out["saved"] = saved.total  # what the forward saved, before any recompute re-run
+        if name == "gradients":
+            out["gradients"] = storage_bytes([p.grad for p in params] + (parts.grad_buffers or []), device)
+        tracker.start_phase(name)
+
+    with tracker, saved:
+        tracker.adopt(static + (parts.grad_buffers or []) + list(batch))
+        tracker.reset_peak()
+        before = tracker.read()
+        accumulate.accumulation_step(model, parts, [batch], observe=observe)
+        phase["end"] = tracker.read()
+    out["phase"] = dict(before=before, **phase)
+    # CUDA: the allocator's growth over the forward, less the 4-byte loss that is its output
+    out["activations"] = phase["backward"] - before if cuda else out["saved"]
+    out["peak"], out["peak_phase"] = tracker.peak, tracker.peak_phase
+    return out
