@@ -127,10 +127,29 @@ def validate(cfg):
             raise UsageError(f"loss_scale must be auto|dynamic|none|<number>, got {cfg.loss_scale!r}") from None
         if not (value > 0 and math.isfinite(value)):
             raise UsageError(f"a static loss_scale must be a positive finite number, got {cfg.loss_scale!r}")
-    if cfg.precision == "fp8" and cfg.n_embd % 16:
+    if cfg.precision == "fp8":
+        validate_fp8(cfg)
+    return cfg
+
+
+def validate_fp8(cfg):
+    """The FP8 GEMMs' shape rules, and the Transformer Engine settings that cannot work."""
+    if cfg.n_embd % 16:
         raise UsageError(f"fp8 needs Linear dimensions divisible by 16 (an FP8 GEMM requirement), got "
                          f"n_embd={cfg.n_embd}: use an n_embd that is a multiple of 16")
-    return cfg
+    if cfg.fp8_backend != "te":
+        return
+    # TE asserts, for every FP8 GEMM input, that the product of all dimensions but the last is
+    # divisible by 8 and the last by 16 (transformer_engine/pytorch/utils.py, assert_dim_for_fp8_exec):
+    # for a Linear's input that is the tokens of one micro-batch, batch_size x block_size
+    tokens = cfg.batch_size * cfg.block_size
+    if tokens % 8:
+        raise UsageError(f"fp8_backend=te needs batch_size x block_size divisible by 8 (Transformer Engine's FP8 "
+                         f"GEMM shape rule), got {cfg.batch_size} x {cfg.block_size} = {tokens}")
+    if cfg.fp8_recipe == "current" and cfg.fp8_margin:
+        # TE's Float8CurrentScaling has no margin (transformer_engine/common/recipe.py)
+        raise UsageError("fp8_margin applies to the delayed recipe only: Transformer Engine's current "
+                         "scaling has no margin; use fp8_margin=0 or fp8_recipe=delayed")
 
 
 # ---------------------------------------------------------------- the --key=value parser

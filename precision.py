@@ -58,8 +58,8 @@ class Recipe:
     name: str  # fp32|bf16|fp16|fp8, for the log
     param_dtype: torch.dtype  # parameters, so activations and gradients too
     master_weights: bool  # an FP32 master copy that AdamW updates (every 16-bit precision)
-    loss_scale: str  # none|dynamic|static
-    static_scale: float  # the scale of loss_scale=static
+    loss_scaling: str  # none|dynamic|static
+    static_scale: float  # the scale of loss_scaling=static
     hysteresis: int  # overflows tolerated before a dynamic scale backs off
     fp8: FP8Settings = None  # the FP8 Linears' settings, or None: plain Linears
 
@@ -84,7 +84,7 @@ class Recipe:
         return nullcontext()
 
     def loss_scaler(self):
-        return LossScaler(self.loss_scale, init_scale=self.static_scale, hysteresis=self.hysteresis)
+        return LossScaler(self.loss_scaling, init_scale=self.static_scale, hysteresis=self.hysteresis)
 
     def check_device(self, device):
         """Raise ValueError where this recipe cannot run on `device` (FP8 needs its matmul)."""
@@ -99,18 +99,18 @@ PARAM_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 
 def recipe(cfg):
     """The Recipe for cfg: the one place that reads precision, loss_scale* and fp8_*."""
-    loss_scale, static_scale = cfg.loss_scale, 2.0 ** 16
-    if loss_scale == "auto":  # FP16's range needs scaling; BF16's (FP32's exponent) does not
-        loss_scale = "dynamic" if cfg.precision == "fp16" else "none"
-    elif loss_scale not in ("dynamic", "none"):
-        loss_scale, static_scale = "static", float(cfg.loss_scale)
+    scaling, static_scale = cfg.loss_scale, 2.0 ** 16
+    if scaling == "auto":  # FP16's range needs scaling; BF16's (FP32's exponent) does not
+        scaling = "dynamic" if cfg.precision == "fp16" else "none"
+    elif scaling not in ("dynamic", "none"):
+        scaling, static_scale = "static", float(cfg.loss_scale)
     settings = None
     if cfg.precision == "fp8":
         settings = fp8.Settings(backend=cfg.fp8_backend, recipe=cfg.fp8_recipe, history=cfg.fp8_amax_history,
                                 margin=cfg.fp8_margin, grad=cfg.fp8_grad)
     dtype = PARAM_DTYPE[cfg.precision]
     return Recipe(name=cfg.precision, param_dtype=dtype, master_weights=dtype != torch.float32,
-                  loss_scale=loss_scale, static_scale=static_scale, hysteresis=cfg.loss_scale_hysteresis,
+                  loss_scaling=scaling, static_scale=static_scale, hysteresis=cfg.loss_scale_hysteresis,
                   fp8=settings)
 
 

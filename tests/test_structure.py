@@ -1,0 +1,135 @@
+"""The house rules the code is read by: imports run one way, precision is decided once,
+chapter files print nothing and parse nothing, every file stays short."""
+import ast
+
+import pytest
+import torch
+
+import fp8
+import precision
+from config import Config
+from conftest import ROOT
+from model import default_linear
+
+CHAPTER = ["model", "precision", "fp8", "fp8_te", "accumulate", "checkpoint", "memory_ledger", "memory_measure",
+           "memory_parallel", "data", "snapshot", "flops"]
+ORDER = ["config", *CHAPTER, "train"]  # tools/ come after train and nothing imports them
+PRECISION_KEYS = {"precision", "loss_scale", "loss_scale_hysteresis", "fp8_backend", "fp8_recipe",
+                  "fp8_amax_history", "fp8_margin", "fp8_grad"}
+
+
+def project_files():
+    files = {p.stem: p for p in ROOT.glob("*.py")}
+    files.update({f"tools.{p.stem}": p for p in (ROOT / "tools").glob("*.py")})
+    return files
+
+
+def project_imports(path, names):
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found & set(names)
+
+
+def test_imports_run_one_way():
+    files = project_files()
+    assert set(ORDER) <= set(files), set(ORDER) - set(files)
+    for name, path in files.items():
+        for imported in project_imports(path, files):
+            if name.startswith("tools."):
+                continue  # a tool may import anything but is imported by nothing
+            assert not imported.startswith("tools."), (name, imported)
+            assert imported != "train", f"{name} imports train.py"
+            assert name in ORDER and imported in ORDER, (name, imported)
+    # no circle among the chapter files: a topological order exists
+    graph = {n: project_imports(files[n], files) for n in ORDER}
+    done, pending = set(), set(ORDER)
+    while pending:
+        ready = {n for n in pending if graph[n] <= done}
+        assert ready, f"import circle among {sorted(pending)}"
+        done |= ready
+        pending -= ready
+
+
+def test_chapter_files_print_nothing_and_parse_nothing():
+    for name in CHAPTER + ["config"]:
+        tree = ast.parse((ROOT / f"{name}.py").read_text())
+        calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        assert "print" not in calls, name
+        attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert "argv" not in attrs and "ArgumentParser" not in attrs, name
+        mains = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+        assert not mains, f"{name}.py has a __main__ block"
+
+
+@pytest.mark.parametrize("name", list(project_files()))
+def test_every_file_is_short_and_says_what_to_read_first(name):
+    path = project_files()[name]
+    assert len(path.read_text().splitlines()) <= 340, name  # nanoGPT's train.py is 336
+    doc = ast.get_docstring(ast.parse(path.read_text()))
+    assert doc, f"{name} has no module docstring"
+    if name in CHAPTER:
+        assert "Read first" in doc or "Read fp8.py first" in doc or "Read memory_ledger.py first" in doc, name
+
+
+def reads_of_precision_keys(path):
+    """[(function, key)] where `path` reads an attribute named like a precision key. A loss
+    scaler's own `loss_scale` (the current scale, `scaler.loss_scale` or `self.loss_scale`
+    inside LossScaler) is its state, not the config key."""
+    out = []
+
+    def visit(node, where, cls):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.ClassDef)) else where
+            inner_cls = child.name if isinstance(child, ast.ClassDef) else cls
+            if isinstance(child, ast.Attribute) and child.attr in PRECISION_KEYS and isinstance(child.ctx, ast.Load):
+                base = ast.unparse(child.value)
+                scaler_state = child.attr == "loss_scale" and (base.endswith("scaler") or
+                                                               (base == "self" and cls == "LossScaler"))
+                if not scaler_state:
+                    out.append((where, child.attr))
+            visit(child, inner, inner_cls)
+    visit(ast.parse(path.read_text()), "<module>", None)
+    return out
+
+
+def test_precision_keys_are_read_in_one_place():
+    """PRECISION, LOSS_SCALE and the FP8_* keys: config.py validates them, precision.recipe()
+    turns them into the Recipe, and every other file asks the Recipe."""
+    for name, path in project_files().items():
+        if name == "config":
+            continue
+        reads = reads_of_precision_keys(path)
+        if name == "precision":
+            assert reads and {where for where, _ in reads} == {"recipe"}, reads
+        else:
+            assert not reads, (name, reads)
+
+
+@pytest.mark.parametrize("prec,dtype,master,scaler,linear", [
+    ("fp32", torch.float32, False, "none", torch.nn.Linear),
+    ("bf16", torch.bfloat16, True, "none", torch.nn.Linear),
+    ("fp16", torch.float16, True, "dynamic", torch.nn.Linear),
+    ("fp8", torch.bfloat16, True, "none", fp8.FP8Linear),
+])
+def test_the_recipe_of_each_precision(prec, dtype, master, scaler, linear):
+    recipe = precision.recipe(Config(precision=prec))
+    assert recipe.param_dtype == dtype and recipe.master_weights == master
+    assert recipe.loss_scaler().mode == scaler
+    assert recipe.element_bytes == torch.empty((), dtype=dtype).element_size()
+    layer = recipe.linear_factory()(32, 16, True)
+    assert type(layer) is linear
+    assert (recipe.fp8 is not None) == (prec == "fp8")
+    if prec != "fp8":
+        assert recipe.linear_factory() is default_linear
+
+
+def test_a_recipe_is_decided_once_from_the_loss_scale_keys():
+    assert precision.recipe(Config(precision="bf16", loss_scale="dynamic")).loss_scaler().mode == "dynamic"
+    static = precision.recipe(Config(precision="fp16", loss_scale="1024")).loss_scaler()
+    assert static.mode == "static" and static.loss_scale == 1024.0
+    te = precision.recipe(Config(precision="fp8", fp8_backend="te", fp8_recipe="current", fp8_amax_history=4))
+    assert te.fp8 == fp8.Settings(backend="te", recipe="current", history=4, margin=0, grad="bf16")
