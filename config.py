@@ -10,6 +10,7 @@ raises `UsageError`, which the programs print as one line and exit with status 2
 """
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -26,9 +27,15 @@ class UsageError(Exception):
     """Bad input: the programs print it as one line 'error: ...' and exit with status 2."""
 
 
-def key(default, meaning, choices=None, at_least=None):
+class RunError(Exception):
+    """A run that cannot go on (parameters gone non-finite, a full disk): one line, exit status 1.
+    The last good snapshot is never overwritten."""
+
+
+def key(default, meaning, choices=None, at_least=None, at_most=None):
     """A config key: its default, a one-line meaning for --help, and what values it takes."""
-    return field(default=default, metadata=dict(meaning=meaning, choices=choices, at_least=at_least))
+    return field(default=default, metadata=dict(meaning=meaning, choices=choices, at_least=at_least,
+                                                at_most=at_most))
 
 
 @dataclass
@@ -72,7 +79,8 @@ class Config:
     fp8_recipe: str = key("delayed", "scale from an amax history (delayed) or this tensor's amax (current)",
                           FP8_RECIPES)
     fp8_amax_history: int = key(16, "amax history length of the delayed recipe", at_least=1)
-    fp8_margin: int = key(0, "scale = fp8_max / amax / 2**margin", at_least=0)
+    fp8_margin: int = key(0, "scale = fp8_max / amax / 2**margin (E4M3 spans about 18 binades: at most 16)",
+                          at_least=0, at_most=16)
     fp8_grad: str = key("bf16", "backward in bf16 (the chapter) or gradients in FP8 E5M2 (TE's HYBRID)", FP8_GRADS)
     # activation checkpointing (checkpoint.py)
     ckpt: str = key("none", "what backward recomputes instead of keeping", CKPT_POLICIES)
@@ -87,6 +95,8 @@ class Config:
     peak_flops: float = key(0.0, "FLOP/s for MFU; 0 = a table on CUDA, a quick measurement on CPU", at_least=0.0)
     ledger: bool = key(True, "after the first step, the memory ledger's prediction beside the allocator's figures")
     sample_only: bool = key(False, "load out_dir's snapshot, print a sample, train nothing")
+    memory_snapshot: bool = key(False, "CUDA: record the allocator's history of the first steps into "
+                                       "out_dir/memory_snapshot.pickle (open it at pytorch.org/memory_viz)")
 
 
 # ---------------------------------------------------------------- validation
@@ -101,11 +111,15 @@ def check_keys(obj):
             raise UsageError(f"--{f.name}={value} is not one of {'|'.join(meta['choices'])}")
         if meta.get("at_least") is not None and value < meta["at_least"]:
             raise UsageError(f"--{f.name} must be >= {meta['at_least']}, got {value}")
+        if meta.get("at_most") is not None and value > meta["at_most"]:
+            raise UsageError(f"--{f.name} must be <= {meta['at_most']}, got {value}")
 
 
 def validate(cfg):
     """Raise UsageError for a config that cannot run. Everything that needs no machine is here."""
     check_keys(cfg)
+    if not cfg.out_dir.strip():
+        raise UsageError("--out_dir must name a folder (empty would write into the current folder)")
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"n_head={cfg.n_head} does not divide n_embd={cfg.n_embd}")
     if cfg.dropout >= 1.0:
@@ -117,6 +131,11 @@ def validate(cfg):
                              f"got {getattr(cfg, name)}")
     if cfg.total_batch_tokens and cfg.accum != 1:
         raise UsageError("give --accum or --total_batch_tokens (which derives accum), not both")
+    if cfg.ckpt_segment and cfg.ckpt != "sqrt":
+        raise UsageError(f"--ckpt_segment applies to ckpt=sqrt only, this run has ckpt={cfg.ckpt}")
+    if cfg.ckpt_segment > cfg.n_layer:
+        raise UsageError(f"--ckpt_segment={cfg.ckpt_segment} is more blocks than n_layer={cfg.n_layer} "
+                         f"(one unit of all blocks is ckpt_segment={cfg.n_layer})")
     if cfg.ckpt == "selective" and cfg.attn != "manual":
         raise UsageError("ckpt=selective recomputes the manual attention core; use attn=manual "
                          "(attn=sdpa already recomputes its core inside the kernel)")
@@ -154,6 +173,10 @@ def validate_fp8(cfg):
 
 # ---------------------------------------------------------------- the --key=value parser
 
+# what a value may look like: no spaces, no 1_000 (Python's int() and float() accept both)
+NUMBER = {int: re.compile(r"[+-]?[0-9]+"), float: re.compile(r"[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][+-]?[0-9]+)?")}
+
+
 def _convert(f, text):
     if f.type is bool:
         if text.lower() in ("1", "true", "yes", "on"):
@@ -161,11 +184,12 @@ def _convert(f, text):
         if text.lower() in ("0", "false", "no", "off"):
             return False
         raise UsageError(f"--{f.name} expects true|false, got {text!r}")
-    try:
-        return f.type(text)
-    except ValueError:
-        kind = {int: "int (an integer)", float: "float (a number)"}.get(f.type, f.type.__name__)
-        raise UsageError(f"--{f.name} expects {kind}, got {text!r}") from None
+    if f.type is float and text.lower().lstrip("+-") in ("inf", "infinity", "nan"):
+        raise UsageError(f"--{f.name} must be a finite number, got {text!r}")
+    if f.type in NUMBER and not NUMBER[f.type].fullmatch(text):
+        kind = {int: "int (an integer)", float: "float (a number)"}[f.type]
+        raise UsageError(f"--{f.name} expects {kind}, got {text!r}")
+    return f.type(text)
 
 
 def parse_args(argv, *extra):
@@ -182,6 +206,8 @@ def parse_args(argv, *extra):
         if name not in owners:
             raise UsageError(f"unknown flag --{name} (see --help)")
         cls, f = owners[name]
+        if name in values[cls]:
+            raise UsageError(f"--{name} is given twice")
         if not eq:
             if f.type is not bool:
                 raise UsageError(f"--{name} needs a value: --{name}=...")
@@ -205,6 +231,11 @@ def usage(program="train.py", *extra):
             lines.append(f"  --{f.name}={default}".ljust(40) + f" {f.metadata.get('meaning', '')}"
                          + (f" (default {f.default})" if choices else ""))
     return "\n".join(lines)
+
+
+def given(argv):
+    """The keys named on a command line (to refuse a flag a program would silently ignore)."""
+    return {arg[2:].partition("=")[0] for arg in argv if arg.startswith("--")}
 
 
 def world_size():

@@ -7,6 +7,7 @@ Python's own standard library (*.py, site-packages excluded, about 31 MB), cache
 as a flat file under data_cache/, so `make train` needs no download.
 """
 import hashlib
+import os
 import sysconfig
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from config import UsageError
-from snapshot import write_atomically
+from snapshot import remove_stale_temps, write_atomically
 
 HERE = Path(__file__).resolve().parent
 
@@ -25,31 +26,71 @@ def stdlib_files():
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts and p.is_file())
 
 
+def host_memory_available():
+    """Bytes of memory this machine can still give (MemAvailable; all of it where that is unknown)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def text_files(path):
+    """The regular files of --data (a file, or a folder read recursively), each readable."""
     p = Path(path)
     if not p.exists():
         raise UsageError(f"--data={path}: no such file or folder")
+    if not p.is_file() and not p.is_dir():
+        raise UsageError(f"--data={path}: not a regular file or a folder (a pipe or a device cannot be read twice)")
     files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
     if not files:
         raise UsageError(f"--data={path}: the folder holds no files")
+    for f in files:
+        if not os.access(f, os.R_OK):
+            raise UsageError(f"--data={path}: {f} cannot be read (permission denied)")
     return files
 
 
 def load_tokens(data, cache_dir=HERE / "data_cache"):
     """All bytes of the data as a uint8 array (vocab 256: a token is a byte).
 
-    The default data is cached once as a memmap under data_cache/ (git-ignored);
-    a --data path is read directly.
+    One --data file is mapped from disk (np.memmap), so it may be larger than memory; a
+    folder is read into memory, so it must fit. The default data is cached once as a flat
+    file under data_cache/ (git-ignored) and mapped the same way.
     """
     if data:
-        return np.frombuffer(b"".join(f.read_bytes() for f in text_files(data)), dtype=np.uint8)
+        files = text_files(data)
+        if len(files) == 1:
+            return _mapped(files[0])
+        size, free = sum(f.stat().st_size for f in files), host_memory_available()
+        if size > free // 2:  # the files' bytes and their concatenation are both in memory for a moment
+            raise UsageError(f"--data={data}: {size / 2**30:.1f} GiB of files do not fit in the "
+                             f"{free / 2**30:.1f} GiB of memory available; concatenate them into one file, "
+                             f"which is read from disk as needed")
+        try:
+            return np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
+        except OSError as e:
+            raise UsageError(f"--data={data}: {e.strerror or e}") from None
     files = stdlib_files()
     digest = hashlib.sha1("\n".join(f"{f}:{f.stat().st_size}" for f in files).encode()).hexdigest()[:12]
     cache = Path(cache_dir) / f"stdlib-{digest}.u8"
     if not cache.exists():
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(cache, lambda fh: fh.writelines(f.read_bytes() for f in files))
-    return np.memmap(cache, dtype=np.uint8, mode="r")
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(cache.parent)
+            write_atomically(cache, lambda fh: fh.writelines(f.read_bytes() for f in files))
+        except OSError as e:
+            raise UsageError(f"cannot write the data cache {cache}: {e.strerror or e}") from None
+    return _mapped(cache)
+
+
+def _mapped(path):
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=np.uint8)  # mmap refuses an empty file
+    try:
+        return np.memmap(path, dtype=np.uint8, mode="r")
+    except OSError as e:
+        raise UsageError(f"--data={path}: {e.strerror or e}") from None
 
 
 def split_tokens(tokens, block_size, val_fraction=0.1):

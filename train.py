@@ -14,6 +14,7 @@ import gc
 import inspect
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -26,10 +27,10 @@ import checkpoint
 import config
 import flops
 import fp8
-import memory_ledger
+import memory_run
 import precision
 import snapshot
-from config import UsageError
+from config import RunError, UsageError
 from data import Batches, load_tokens, split_tokens
 from model import GPT
 
@@ -75,39 +76,6 @@ def resolve_accum(cfg, world_size):
     return cfg.accum
 
 
-# ---------------------------------------------------------------- memory
-
-def memory_now(device):
-    """(text, bytes) for the progress line: CUDA allocated/peak, or this process's RSS."""
-    if device.type == "cuda":
-        alloc, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
-        return f"{alloc / 2**20:.0f}/{peak / 2**20:.0f} MiB", peak
-    try:
-        with open("/proc/self/statm") as fh:
-            rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        import resource
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return f"{rss / 2**20:.0f} MiB rss", rss
-
-
-def ledger_line(cfg, device):
-    """After the first step: the ledger's prediction beside the allocator's own figures (CUDA);
-    on CPU a pointer to `make ledger`. Reads counters only: nothing is copied or run again."""
-    if device.type != "cuda":
-        return "memory: `make ledger` prints predicted vs measured bytes per component for this config"
-    ledger_cfg = dataclasses.replace(cfg, device="cuda")
-    st = memory_ledger.state_bytes(ledger_cfg)
-    states = sum(st[k] for k in ("parameters", "buffers", "master", "optimizer", "fp8_weights")) \
-        + st["gradients"] - st["parameters"]  # FP32 gradient buffers stay; .grad is freed after the step
-    peak, where, _ = memory_ledger.peak_estimate(ledger_cfg)
-    MiB = 2 ** 20
-    return (f"memory after step 1 (ledger vs CUDA allocator): states {states / MiB:.1f} vs allocated "
-            f"{torch.cuda.memory_allocated(device) / MiB:.1f} MiB (+ the batch); steady-state peak "
-            f"{peak / MiB:.1f} MiB ({where}) vs max allocated {torch.cuda.max_memory_allocated(device) / MiB:.1f} "
-            f"MiB (step 1 also creates AdamW's states); `make ledger` for every component")
-
-
 # ---------------------------------------------------------------- the loop
 
 def lr_at(cfg, it):
@@ -136,16 +104,17 @@ def train(cfg, log=print):
     """Train for cfg.max_iters optimizer steps; returns the list of per-step records.
     Under torchrun (RANK set) this is one rank of a DistributedDataParallel run:
     NCCL between GPUs, gloo between CPU processes."""
-    accum = resolve_accum(cfg, config.world_size())  # bad input fails before any process group
-    if "RANK" not in os.environ:
-        return train_loop(cfg, log, accum, 0, pick_device(cfg), 1)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    accum = resolve_accum(cfg, config.world_size())
     device = pick_device(cfg, local_rank)
+    start = preflight(cfg, device, rank)  # bad input fails here, on every rank, before any process group
+    if "RANK" not in os.environ:
+        return train_loop(cfg, log, accum, 0, device, 1, start)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
-        history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size())
+        history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size(), start)
         # the DDP wrapper sits in reference cycles: free it while its process group lives
         # (collected at interpreter exit instead, gloo's pending work can abort the process),
         # and leave together, so no rank tears gloo down while a peer still writes
@@ -154,6 +123,32 @@ def train(cfg, log=print):
         return history
     finally:
         dist.destroy_process_group()
+
+
+def preflight(cfg, device, rank):
+    """Everything bad input can trip on, before anything heavy is built or anything written:
+    (the snapshot to resume from or None, train tokens, validation tokens)."""
+    if cfg.memory_snapshot and device.type != "cuda":
+        raise UsageError("--memory_snapshot records the CUDA allocator's history: it needs a CUDA device")
+    memory_run.check_fits(cfg, device)
+    snap, path = None, Path(cfg.out_dir) / snapshot.FILE
+    if cfg.resume:
+        snap = snapshot.read(path)
+        snapshot.check_fits(snap, cfg, precision.recipe(cfg).fp8 is not None, path)
+    tokens = split_tokens(load_tokens(cfg.data), cfg.block_size)
+    if rank == 0:  # the writer of snapshots: its folder must take them, and a killed run's leftovers go
+        snapshot.check_writable(cfg.out_dir, "--out_dir")
+        snapshot.remove_stale_temps(cfg.out_dir)
+    return snap, *tokens
+
+
+def check_finite(parts, step):
+    """Stop a run whose weights went inf/NaN before it can write them over a good snapshot."""
+    opt = parts.optimizer
+    weights = opt.model_params + (opt.master_params if opt.master_weights else [])
+    if not all(bool(torch.isfinite(w).all()) for w in weights):
+        raise RunError(f"step {step}: the weights hold inf or NaN (is the learning rate too high?); stopping "
+                       f"without writing a snapshot, the last good one is kept")
 
 
 def wrap_ddp(model, device):
@@ -170,15 +165,10 @@ def wrap_ddp(model, device):
                                    **no_buffer_sync)
 
 
-def train_loop(cfg, log, accum, rank, device, world_size):
-    # bad input fails before anything is read or written: the model config, then the snapshot
+def train_loop(cfg, log, accum, rank, device, world_size, start):
+    snap, train_tokens, val_tokens = start
     model, parts = build(cfg, device)
-    out_dir = Path(cfg.out_dir)
-    start_step, snap = 0, None
-    if cfg.resume:
-        snap = snapshot.read(out_dir / snapshot.FILE)
-        snapshot.check_fits(snap, cfg, parts.recipe.fp8 is not None, out_dir / snapshot.FILE)
-    train_tokens, val_tokens = split_tokens(load_tokens(cfg.data), cfg.block_size)
+    out_dir, start_step = Path(cfg.out_dir), 0
     # every rank draws its own batches; the validation stream is the same fixed one each eval
     batches = Batches(train_tokens, cfg.block_size, cfg.batch_size, cfg.seed + 1 + rank, device)
     torch.manual_seed(cfg.seed + 1000 + rank)  # dropout's stream, distinct per rank
@@ -199,6 +189,8 @@ def train_loop(cfg, log, accum, rank, device, world_size):
             f"peak for MFU {peak / 1e12:.3g} TFLOP/s")
         out_dir.mkdir(parents=True, exist_ok=True)
     history = []
+    if master and cfg.memory_snapshot:
+        memory_run.start_history()
     t_last, tokens_since = time.perf_counter(), 0
     for step in range(start_step, cfg.max_iters):
         parts.optimizer.set_lr(lr_at(cfg, step))
@@ -208,7 +200,11 @@ def train_loop(cfg, log, accum, rank, device, world_size):
         history.append(dict(step=step + 1, loss=loss, stepped=stepped, grad_norm=grad_norm,
                             loss_scale=parts.scaler.loss_scale))
         if master and step == start_step and cfg.ledger:
-            log(ledger_line(cfg, device))
+            log(memory_run.ledger_line(cfg, device))
+        if master and cfg.memory_snapshot and step + 1 == min(start_step + memory_run.HISTORY_STEPS, cfg.max_iters):
+            memory_run.save_history(out_dir / "memory_snapshot.pickle")
+            log(f"wrote {out_dir / 'memory_snapshot.pickle'}: the allocator's history of the first steps; "
+                f"open it at https://pytorch.org/memory_viz")
         if master and ((step + 1) % cfg.log_interval == 0 or step + 1 == cfg.max_iters):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -218,7 +214,7 @@ def train_loop(cfg, log, accum, rank, device, world_size):
             per_device = tok_s / world_size  # MFU compares one device's work with one device's peak
             mfu, hfu = (flops.utilization(per_device, f, peak) for f in (flops_per_token, hw_flops_per_token))
             pct = lambda u: "n/a" if u is None else f"{100 * u:.1f}%"
-            mem_text, _ = memory_now(device)
+            mem_text, _ = memory_run.now(device)
             log(f"step {step + 1:5d} | loss {loss:.4f} | lr {lr_at(cfg, step):.2e} | {1000 * dt / n_steps:7.1f} ms/step"
                 f" | {tok_s / 1e3:7.1f}k tok/s | MFU {pct(mfu)} HFU {pct(hfu)} | mem {mem_text}"
                 f" | scale {parts.scaler.loss_scale:g} skipped {parts.scaler.skipped_steps}")
@@ -231,7 +227,10 @@ def train_loop(cfg, log, accum, rank, device, world_size):
             history[-1]["val_loss"] = val
             t_last += time.perf_counter() - t_eval  # evaluation is not training time
         last = step + 1 == cfg.max_iters
-        if last or (cfg.snapshot_interval and (step + 1) % cfg.snapshot_interval == 0):
+        snapshot_due = last or (cfg.snapshot_interval and (step + 1) % cfg.snapshot_interval == 0)
+        if snapshot_due or (step + 1) % cfg.log_interval == 0:
+            check_finite(parts, step + 1)  # every rank holds the same weights: all stop together
+        if snapshot_due:
             state = snapshot.capture(cfg, model, parts, batches, step + 1, device, world_size)  # every rank: it gathers
             if master:
                 snapshot.save(out_dir / snapshot.FILE, state)
@@ -267,17 +266,35 @@ def sample_from_snapshot(cfg):
     print(sample(model, device, cfg.sample_tokens or 200))
 
 
-def main(argv):
-    if any(a in ("-h", "--help") for a in argv):
-        print(config.usage("train.py"))
-        return 0
+def run(program, argv):
+    """Every program's main: program(argv) -> exit status. Bad input is one line and status 2;
+    a run that cannot go on, one line and status 1. SIGTERM unwinds like Ctrl-C, so a file
+    being written atomically is finished or abandoned, never left half-written."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        cfg = config.parse_args(argv)
-        sample_from_snapshot(cfg) if cfg.sample_only else train(cfg)
+        return program(argv) or 0
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def program(argv):
+    if any(a in ("-h", "--help") for a in argv):
+        print(config.usage("train.py"))
+        return 0
+    cfg = config.parse_args(argv)
+    if cfg.sample_only and config.given(argv) & {"data", "resume"}:
+        raise UsageError("--sample_only reads the snapshot in out_dir: --data and --resume do not apply")
+    sample_from_snapshot(cfg) if cfg.sample_only else train(cfg)
+
+
+def main(argv):
+    return run(program, argv)
 
 
 if __name__ == "__main__":

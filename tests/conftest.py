@@ -25,3 +25,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_cuda)
         elif fp8_error and "fp8" in item.nodeid and "cuda" not in item.keywords:
             item.add_marker(no_fp8)
+
+
+def merged(*flags):
+    """One list of --key=value flags where a later flag replaces an earlier one with the same key
+    (the programs refuse a key given twice)."""
+    out = {}
+    for flag in flags:
+        out[flag.partition("=")[0]] = flag
+    return list(out.values())

@@ -18,6 +18,7 @@ import accumulate
 import snapshot
 import train
 from config import parse_args
+from conftest import merged
 from ddp_worker import CASES, K, STEPS, B, make_batches, rank_slice, record_grads, seed_of, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -299,8 +300,8 @@ def test_torchrun_prints_the_effective_batch(ddp_train):
 
 
 def test_train_prints_the_effective_batch_single_process(data_file, tmp_path):
-    r = run_train_py(TRAIN_ARGS + [f"--data={data_file}", f"--out_dir={tmp_path}", "--precision=fp32",
-                                   "--accum=3", "--max_iters=1"])
+    r = run_train_py(merged(*TRAIN_ARGS, f"--data={data_file}", f"--out_dir={tmp_path}", "--precision=fp32",
+                            "--accum=3", "--max_iters=1"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "effective batch = micro-batch 4 x world_size 1 x accum 3 = 12 sequences = 192 tokens" in r.stdout
 
@@ -329,8 +330,8 @@ def test_torchrun_bad_total_batch_tokens_names_the_world_size(data_file, tmp_pat
 
 def test_torchrun_resume_keeps_one_data_stream_per_rank(ddp_train, data_file, tmp_path):
     _, _, out = ddp_train  # its snapshot: 3 steps on 2 ranks
-    args = TRAIN_ARGS + [f"--data={data_file}", f"--out_dir={out}", "--precision=bf16", "--total_batch_tokens=512",
-                         "--max_iters=5", "--resume"]
+    args = merged(*TRAIN_ARGS, f"--data={data_file}", f"--out_dir={out}", "--precision=bf16",
+                  "--total_batch_tokens=512", "--max_iters=5", "--lr_decay_iters=3", "--resume")
     r = torchrun([WORKER, "train", tmp_path, "--", *args])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     h0, h1 = (torch.load(tmp_path / f"train-rank{rank}.pt", weights_only=False)["history"] for rank in range(WORLD))

@@ -12,7 +12,7 @@ import memory_measure
 import memory_parallel as mp
 import train
 from config import Config, parse_args
-from conftest import ROOT
+from conftest import ROOT, merged
 from tools import ledger as tool
 
 TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--seed=3"]
@@ -20,7 +20,7 @@ EXACT = ("parameters", "gradients", "master", "optimizer")
 
 
 def ledger(argv, device="cpu"):
-    cfg = replace(parse_args(TINY + argv), device=device)
+    cfg = replace(parse_args(merged(*TINY, *argv)), device=device)
     meas = tool.run_config(cfg, torch.device(device))
     rows, ok = tool.compare(cfg, meas)
     return cfg, {r[0]: r for r in rows}, ok, meas

@@ -17,7 +17,7 @@ import fp8
 import precision
 import train
 from config import Config, UsageError, parse_args
-from conftest import ROOT
+from conftest import ROOT, merged
 from fp8 import E4M3, E5M2, FP8Linear
 from precision import LossScaler, MasterWeightOptimizer
 from tools import demos
@@ -28,7 +28,7 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
 
 
 def tiny_cfg(tmp_path, *extra):
-    return parse_args(TINY + [f"--out_dir={tmp_path}", *extra])
+    return parse_args(merged(*TINY, f"--out_dir={tmp_path}", *extra))
 
 
 def run_losses(tmp_path, *extra):
@@ -334,7 +334,7 @@ def test_fp8_saves_one_byte_input_for_backward():
 def test_fp8_rejects_dims_not_multiple_of_16(tmp_path, capsys):
     with pytest.raises(ValueError, match="divisible by 16"):
         FP8Linear(40, 64)
-    rc = train.main(TINY + [f"--out_dir={tmp_path}", "--precision=fp8", "--n_embd=40", "--max_iters=1"])
+    rc = train.main(merged(*TINY, f"--out_dir={tmp_path}", "--precision=fp8", "--n_embd=40", "--max_iters=1"))
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and "16" in err
 

@@ -13,14 +13,14 @@ import precision
 import snapshot
 import train
 from config import Config, parse_args
-from conftest import ROOT
+from conftest import ROOT, merged
 
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64", "--batch_size=8", "--sample_tokens=0",
         "--ledger=false", "--log_interval=1000", "--eval_interval=1000"]
 
 
 def run(tmp_path, *flags):
-    cfg = parse_args([*TINY, f"--out_dir={tmp_path}", *flags])
+    cfg = parse_args(merged(*TINY, f"--out_dir={tmp_path}", *flags))
     return [h["loss"] for h in train.train(cfg, log=lambda s: None)]
 
 
@@ -137,7 +137,7 @@ BAD = [
 @pytest.mark.parametrize("flags,message", BAD)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, flags, message):
     out = tmp_path / "out"
-    code = train.main([*TINY, f"--out_dir={out}", *flags])
+    code = train.main(merged(*TINY, f"--out_dir={out}", *flags))
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and err.count("\n") == 1 and err.startswith("error: ")
@@ -162,7 +162,7 @@ def test_empty_data_folder_is_rejected(tmp_path, capsys):
 
 def test_resume_from_a_different_model_shape(tmp_path, capsys):
     run(tmp_path, "--max_iters=1")
-    code = train.main([*TINY, f"--out_dir={tmp_path}", "--n_layer=3", "--resume"])
+    code = train.main(merged(*TINY, f"--out_dir={tmp_path}", "--n_layer=3", "--resume"))
     assert code == 2 and "different model: n_layer=2 (now 3)" in capsys.readouterr().err
 
 
