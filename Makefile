@@ -22,6 +22,11 @@ KEYS := DATA OUT_DIR SEED DEVICE N_LAYER N_HEAD N_EMBD BLOCK_SIZE VOCAB_SIZE DRO
 lower = $(shell echo '$(1)' | tr A-Z a-z)
 FLAGS := $(strip $(foreach K,$(KEYS),$(if $(filter command line,$(origin $(K))),--$(call lower,$(K))=$($(K)))) $(ARGS))
 NPROC ?= 2
+ifneq ($(filter ddp,$(MAKECMDGOALS)),)
+ifeq ($(shell echo '$(NPROC)' | grep -Ex '[1-9][0-9]*'),)
+$(error error: NPROC=$(NPROC) must be a positive integer (processes per node))
+endif
+endif
 
 .PHONY: help train test bench sample ddp ledger dtypes underflow flops gpu-check clean
 

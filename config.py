@@ -23,6 +23,9 @@ FP8_RECIPES = ("delayed", "current")
 FP8_GRADS = ("bf16", "e5m2")
 
 
+FP32_MAX = 3.4028234663852886e38  # the optimizer and the master weights compute in FP32
+
+
 class UsageError(Exception):
     """Bad input: the programs print it as one line 'error: ...' and exit with status 2."""
 
@@ -105,8 +108,8 @@ def check_keys(obj):
     """Choices and lower bounds declared with `key`, for any dataclass of keys; floats must be finite."""
     for f in fields(obj):
         value, meta = getattr(obj, f.name), f.metadata
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"--{f.name} must be a finite number, got {value}")
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FP32_MAX):
+            raise UsageError(f"--{f.name} must be a finite number within FP32's range, got {value}")
         if meta.get("choices") and value not in meta["choices"]:
             raise UsageError(f"--{f.name}={value} is not one of {'|'.join(meta['choices'])}")
         if meta.get("at_least") is not None and value < meta["at_least"]:

@@ -47,6 +47,7 @@ def build(cfg, device=None):
     """(model, accumulate.StepParts) for cfg: the model in its precision, with its recompute
     policy, and everything an optimizer step needs. Used by the loop, the tools and the tests."""
     device = device or pick_device(cfg)
+    memory_run.check_fits(cfg, device)  # a shape this machine cannot hold is refused before it is built
     recipe = precision.recipe(cfg)
     try:
         recipe.check_device(device)

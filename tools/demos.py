@@ -8,6 +8,7 @@ A tool, not a chapter file: it prints what precision.py and checkpoint.py implem
 """
 import copy
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's files sit one folder up
@@ -17,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import precision  # noqa: E402
 import train  # noqa: E402
-from config import CKPT_POLICIES, Config, UsageError, parse_args  # noqa: E402
+from config import CKPT_POLICIES, Config, UsageError, given, parse_args, validate  # noqa: E402
 from data import Batches, load_tokens  # noqa: E402
 from model import GPT  # noqa: E402
 
@@ -95,12 +96,20 @@ def format_underflow(rows):
 
 # ---------------------------------------------------------------- recompute FLOPs
 
+COUNTED_AS = dict(precision="fp32", attn="manual", device="cpu")  # what the FLOP count sets itself
+
+
 def counted_step_flops(flags):
     """{policy: FLOPs of one forward + backward}, counted by FlopCounterMode, for train.py flags.
     FP32 and manual attention: the counter sees the attention core's matmuls as plain ops."""
+    base = parse_args(flags)
+    fixed = given(flags) & {*COUNTED_AS, "ckpt", "ckpt_segment"}
+    if fixed:
+        raise UsageError(f"--{', --'.join(sorted(fixed))}: the FLOP count sets these itself (fp32, manual "
+                         f"attention, CPU, every ckpt policy)")
     flops = {}
     for policy in CKPT_POLICIES:
-        cfg = parse_args([*flags, "--precision=fp32", "--attn=manual", f"--ckpt={policy}", "--device=cpu"])
+        cfg = validate(replace(base, ckpt=policy, **COUNTED_AS))
         model, _ = train.build(cfg)
         x = torch.randint(0, model.cfg.vocab_size, (cfg.batch_size, cfg.block_size))
         with FlopCounterMode(display=False) as counter:
@@ -116,22 +125,21 @@ def format_flops(counted):
     return "\n".join(lines)
 
 
-def main(argv):
+def program(argv):
     what, rest = (argv[0], argv[1:]) if argv else ("", [])
-    try:
-        if what == "dtypes" and not rest:
-            print(format_dtype_table())
-        elif what == "underflow" and not rest:
-            print(format_underflow(underflow_demo()))
-        elif what == "flops":
-            print(format_flops(counted_step_flops(rest)))
-        else:
-            raise UsageError(f"unknown demo {' '.join(argv)!r}; usage: python tools/demos.py dtypes|underflow|"
-                             f"flops [--key=value ...]")
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    if what == "dtypes" and not rest:
+        print(format_dtype_table())
+    elif what == "underflow" and not rest:
+        print(format_underflow(underflow_demo()))
+    elif what == "flops":
+        print(format_flops(counted_step_flops(rest)))
+    else:
+        raise UsageError(f"unknown demo {' '.join(argv)!r}; usage: python tools/demos.py dtypes|underflow|"
+                         f"flops [--key=value ...]")
+
+
+def main(argv):
+    return train.run(program, argv)
 
 
 if __name__ == "__main__":
