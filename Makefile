@@ -28,7 +28,7 @@ $(error error: NPROC=$(NPROC) must be a positive integer (processes per node))
 endif
 endif
 
-.PHONY: help train test bench sample ddp ledger dtypes underflow flops gpu-check clean
+.PHONY: help train test bench sample ddp ledger chapter dtypes underflow flops gpu-check clean
 
 help:  ## this list
 	@echo "make train      train on the built-in data (PRECISION=fp32|bf16|fp16|fp8 CKPT=none|full|sqrt|selective ACCUM=K)"
@@ -37,6 +37,7 @@ help:  ## this list
 	@echo "make sample     print a sample from out/snapshot.pt"
 	@echo "make ddp        torchrun --nproc_per_node=NPROC train.py (gloo on CPU, NCCL on GPU)"
 	@echo "make ledger     the memory ledger: predicted vs measured bytes per component, the techniques table"
+	@echo "make chapter    every claim of the chapter measured here -> out/chapter/report.md (ARGS=--quick: short)"
 	@echo "make dtypes     the dtype table from torch.finfo"
 	@echo "make underflow  the share of FP16 gradients lost without loss scaling"
 	@echo "make flops      each recompute policy's step FLOPs, counted by FlopCounterMode"
@@ -65,6 +66,9 @@ ddp: $(DEPS)
 
 ledger: $(DEPS)
 	$(PY) tools/ledger.py $(FLAGS)
+
+chapter: $(DEPS)
+	$(PY) tools/chapter.py $(FLAGS)
 
 dtypes: $(DEPS)
 	$(PY) tools/demos.py dtypes

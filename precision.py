@@ -208,8 +208,9 @@ class MasterWeightOptimizer:
         """Unscale, check for inf/NaN, clip, step AdamW on the master copy, copy down.
         grads: one per model parameter (None = no gradient). Returns (stepped, grad_norm);
         stepped is False when the step was skipped (an inf/NaN gradient)."""
-        # FP32 master gradients: a 16-bit gradient is cast up (a copy), an FP32 one is used as is
-        grads = [g.float() if g is not None else torch.zeros_like(m) for g, m in zip(grads, self.master_params)]
+        # gradients in the dtype of the weights AdamW updates: a 16-bit gradient is cast up to the
+        # FP32 master's (a copy); an FP32 one, or one without a master copy, is used as is
+        grads = [g.to(m.dtype) if g is not None else torch.zeros_like(m) for g, m in zip(grads, self.master_params)]
         if loss_scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
         # one reduction gives both the clipping norm and the overflow check: the norm of

@@ -1,0 +1,196 @@
+"""The experiments behind `make chapter`, sections 2-4: accumulation, checkpointing, the table.
+
+A tool, not a chapter file. Read tools/chapter_runs.py first (the Claim record and the
+section 1 experiments); the no_sync count runs in two processes under torchrun, through
+`worker` below (tools/chapter.py starts it with --worker).
+"""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's files sit one folder up
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+import accumulate  # noqa: E402
+import train  # noqa: E402
+from memory_measure import SavedBytes  # noqa: E402
+from tools import demos, ledger, plots  # noqa: E402
+from tools.chapter_runs import Claim, machine, step_seconds, tiny  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+K = 4
+
+
+def torchrun(args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # two ranks on two cores: no oversubscription
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- section 2: accumulation
+
+def effective_batch(out):
+    args = [f"--{k}={v}" for k, v in dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=4, accum=K,
+                                          max_iters=1, sample_tokens=0, ledger="false", device="cpu",
+                                          out_dir=out / "ddp").items()]
+    r = torchrun(["train.py", *args])
+    m = re.search(r"effective batch = micro-batch (\d+) x world_size (\d+) x accum (\d+) = (\d+) sequences", r.stdout)
+    if r.returncode or not m:
+        return Claim("2", "Effective batch size = per-GPU batch x world_size x accumulation_steps",
+                     f"torchrun failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}", "4 x 2 x 4 = 32", False,
+                     "torchrun did not run here")
+    b, world, k, seqs = map(int, m.groups())
+    return Claim("2", "Effective batch size = per-GPU batch x world_size x accumulation_steps",
+                 f"train.py under torchrun printed: micro-batch {b} x world_size {world} x accum {k} = {seqs}",
+                 "4 x 2 x 4 = 32 sequences", (b, world, k, seqs) == (4, 2, K, 32))
+
+
+def loss_over_k(device):
+    """K micro-steps with loss / K against one big batch; and the same without the / K."""
+    cfg = tiny(device, precision="fp32", grad_clip=0.0)
+    gen = torch.Generator().manual_seed(0)
+    micro = [tuple(torch.randint(0, 256, (2, cfg.block_size), generator=gen).to(device) for _ in range(2))
+             for _ in range(K)]
+    model, parts = train.build(cfg, device)
+    seen = []
+    step = parts.optimizer.step
+    parts.optimizer.step = lambda grads, scale=1.0: (seen.append([g.clone() for g in grads]), step(grads, scale))[1]
+    big, _ = train.build(cfg, device)
+    big.load_state_dict(model.state_dict())
+    accumulate.accumulation_step(model, parts, micro)
+    big(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))[1].backward()
+    want = [p.grad.clone() for p in big.parameters()]
+    diff = max((a - b).abs().max().item() for a, b in zip(seen[0], want))
+    big.zero_grad()
+    for x, y in micro:  # the forgotten / K: each micro-batch's mean loss, summed
+        big(x, y)[1].backward()
+    norm = lambda gs: torch.linalg.vector_norm(torch.stack([g.norm() for g in gs])).item()
+    ratio = norm([p.grad for p in big.parameters()]) / norm(want)
+    return Claim("2", "The loss must be divided by K", f"K={K} micro-steps vs one batch of {K}x: max gradient "
+                 f"difference {diff:.1e}; without the / K the gradient norm is {ratio:.3f}x",
+                 f"the same gradient (FP32 rounding only); {K}x without / K", diff < 1e-5 and abs(ratio - K) < 1e-3)
+
+
+def count_allreduces(out):
+    r = torchrun([Path(__file__).resolve(), "--worker", out / "allreduces.json"])
+    if r.returncode:
+        return Claim("2", "use no_sync() during the intermediate micro-steps to skip their AllReduce",
+                     f"torchrun failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}", "", False,
+                     "torchrun did not run here")
+    counts = json.loads((out / "allreduces.json").read_text())
+    saved = counts["sync"] - counts["no_sync"]
+    return Claim("2", "use no_sync() during the intermediate micro-steps to skip their AllReduce",
+                 f"all-reduces per optimizer step, 2 gloo ranks, K={K}, {counts['buckets']} DDP bucket(s): "
+                 f"{counts['no_sync']} with no_sync, {counts['sync']} without (counted by a communication hook)",
+                 f"K - 1 = {K - 1} fewer per bucket", saved == (K - 1) * counts["buckets"] and counts["no_sync"] > 0)
+
+
+def worker(path):
+    """One rank of the no_sync count: all-reduces per optimizer step with and without no_sync."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    counts = {}
+    for name, use_no_sync in (("no_sync", True), ("sync", False)):
+        model, parts = train.build(tiny(torch.device("cpu"), precision="fp32"), torch.device("cpu"))
+        ddp = DistributedDataParallel(model)
+        calls = [0]
+
+        def hook(state, bucket, calls=calls):
+            calls[0] += 1
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())  # counted only: one rank's own gradients are the same here
+            return fut
+        ddp.register_comm_hook(None, hook)
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        for step in range(2):  # the second step, after DDP has rebuilt its buckets
+            calls[0] = 0
+            micro = [tuple(torch.randint(0, 256, (2, 64), generator=gen) for _ in range(2)) for _ in range(K)]
+            accumulate.accumulation_step(ddp, parts, micro, use_no_sync=use_no_sync)
+        counts[name] = calls[0]
+        counts["buckets"] = len(str(ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes") or "1").split(","))
+        del ddp
+    if dist.get_rank() == 0:
+        Path(path).write_text(json.dumps(counts))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- section 3: checkpointing
+
+LAYERS = (4, 9, 16, 25)
+
+
+def saved_bytes_vs_depth(out):
+    """The most saved-activation bytes alive at once in a step, per policy and depth: the log-log slopes."""
+    peaks = {}
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 16, (2, 16), generator=gen) for _ in range(2))
+    for policy in ("none", "full", "sqrt", "selective"):
+        for L in LAYERS:
+            cfg = tiny(torch.device("cpu"), precision="fp32", ckpt=policy, n_layer=L, n_embd=16, block_size=16)
+            cfg = replace(cfg, vocab_size=16)  # a small head, so that the blocks' bytes set the slope
+            model, _ = train.build(cfg, torch.device("cpu"))
+            with SavedBytes([*model.parameters(), *model.buffers()]) as counter:
+                model(x, y)[1].backward()
+            peaks.setdefault(policy, []).append(counter.peak)
+    slope = {p: fit_slope([math.log(L) for L in LAYERS], [math.log(v) for v in vs]) for p, vs in peaks.items()}
+    series = [(f"{p} (slope {slope[p]:.2f})", list(zip(LAYERS, vs))) for p, vs in peaks.items()]
+    (out / "saved_vs_depth.svg").write_text(plots.line_chart(series, "saved activations at their peak vs depth",
+                                                             "layers L", "bytes", log=True))
+    holds = abs(slope["none"] - 1) < 0.1 and abs(slope["sqrt"] - 0.5) < 0.1
+    return Claim("3", "activation memory from O(L) to O(sqrt(L)) (one checkpoint every sqrt(L) layers)",
+                 "log-log slope of the peak saved bytes, L = 4, 9, 16, 25: " + ", ".join(f"{p} {s:.2f}" for p, s in
+                                                                                       slope.items()),
+                 "none about 1, sqrt about 0.5 (full: its L inputs grow as L, one block's internals do not)", holds,
+                 figure="saved_vs_depth.svg")
+
+
+def fit_slope(xs, ys):
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / sum((a - mx) ** 2 for a in xs)
+
+
+def recompute_cost(device, steps):
+    flags = ["--n_layer=4", "--n_embd=128", "--n_head=4", "--block_size=128", "--batch_size=4"]
+    counted = demos.counted_step_flops(flags)
+    flops = {p: counted[p] / counted["none"] - 1 for p in ("full", "selective")}
+    secs = {p: step_seconds(tiny(device, precision="bf16", ckpt=p, n_layer=4, n_embd=128, n_head=4, block_size=128,
+                                 batch_size=4), device, steps) for p in ("none", "full", "selective")}
+    times = {p: secs[p] / secs["none"] - 1 for p in ("full", "selective")}
+    near = abs(times["full"] - flops["full"]) < 0.1
+    return Claim("3", "Cost: about 33% more forward compute", f"counted FLOPs full +{100 * flops['full']:.1f}%, "
+                 f"selective +{100 * flops['selective']:.1f}%; time full {100 * times['full']:+.0f}%, selective "
+                 f"{100 * times['selective']:+.0f}% on {machine(device)}", "+33% of the blocks' work (the "
+                 "embeddings and head dilute it); time near the FLOP ratio on a GPU", 0.25 < flops["full"] <= 1 / 3
+                 and near, "" if near else "time on CPU is not the FLOP ratio: the recomputed softmax, GELU and "
+                 "LayerNorm are elementwise work that the FLOP count leaves out")
+
+
+# ---------------------------------------------------------------- section 4: the whole picture
+
+def components_table(device):
+    cfg = tiny(device, precision="bf16", batch_size=4)
+    rows = ledger.technique_rows(cfg, device, ledger.LedgerOptions())
+    table = {name: c for name, c, _ in rows}
+    measured = sum(how == "measured" for _, _, how in rows)
+    base = table["BF16 mixed precision"]
+    checks = [table["FP32 baseline"]["activations"] > base["activations"],
+              table["full checkpointing"]["activations"] < base["activations"],
+              table["ZeRO-1 over 8"]["optimizer"] < base["optimizer"],
+              table["ZeRO-3 over 8"]["parameters"] < base["parameters"],
+              table["CPU offload (ZeRO-Offload)"]["optimizer"] == 0]
+    return Claim("4", "One table: four memory components x which technique shrinks which",
+                 f"{len(rows)} techniques, {measured} measured on {machine(device)}, the rest from formulas (the "
+                 f"table below)", "each technique shrinks the component it names", all(checks)), rows
+
+
+if __name__ == "__main__":
+    sys.exit(worker(sys.argv[2]) if sys.argv[1:2] == ["--worker"] else 2)
