@@ -77,7 +77,7 @@ def report(claims, extras, device, seconds):
             verdict = "holds" if c.holds else f"differs: {c.why or 'unexpected'}"
             lines.append(f"| {c.quote} | {c.measured} | {c.expected} | {verdict} |")
         lines.append("")
-        lines += [f"![{c.figure}]({c.figure})" for c in claims if c.section == number and c.figure]
+        lines += [f"![{name}]({name})" for c in claims if c.section == number for name in c.figure.split()]
         lines.append("")
     lines += ["## The four components x techniques, per GPU", "",
               "```", ledger.format_table(extras["table"]), "```", "",

@@ -33,7 +33,7 @@ class Claim:
     expected: str
     holds: bool
     why: str = ""  # when it differs: the reason, one the report explains
-    figure: str = ""  # an SVG file name in the report's folder
+    figure: str = ""  # SVG file names in the report's folder, space-separated
 
 
 def cpu_name():
@@ -136,10 +136,17 @@ def loss_curves(device, steps, out):
         history = train.train(tiny(device, max_iters=steps, out_dir=str(out / "runs" / over["precision"]), **over),
                               log=lambda line: None)
         runs[name] = history
-    series = [(name, [(h["step"], h["loss"]) for h in hist]) for name, hist in runs.items()]
+    window = max(1, steps // 30)
+    smooth = {name: plots.moving_average([(h["step"], h["loss"]) for h in hist], window) for name, hist in runs.items()}
     skipped = [(name, h["step"]) for name, hist in runs.items() for h in hist if not h["stepped"]]
-    (out / "loss_curves.svg").write_text(plots.line_chart(series, f"training loss, same seed and data ({steps} steps)",
-                                                          "optimizer step", "loss", marks=skipped))
+    (out / "loss_curves.svg").write_text(plots.line_chart(
+        list(smooth.items()), f"training loss, same seed and data ({window}-step average)", "optimizer step", "loss",
+        marks=skipped))
+    fp32 = dict(smooth["FP32"])
+    gaps = [(name, [(x, y - fp32[x]) for x, y in pts]) for name, pts in smooth.items() if name != "FP32"]
+    (out / "loss_gap.svg").write_text(plots.line_chart(
+        gaps, f"loss minus the FP32 run's ({window}-step average)", "optimizer step", "loss - FP32 loss",
+        marks=skipped))
     tail = {name: statistics.mean(h["loss"] for h in hist[-10:]) for name, hist in runs.items()}
     gap = tail["FP16, no scaling"] - tail["FP16 + dynamic scaling"]
     tracks = max(abs(tail[n] - tail["FP32"]) for n in ("BF16 + master weights", "FP16 + dynamic scaling")) < 0.1
@@ -149,7 +156,7 @@ def loss_curves(device, steps, out):
     return Claim("1", "BF16's range usually makes it [loss scaling] unnecessary", measured,
                  "BF16 and scaled FP16 track FP32; FP16 without scaling falls behind", tracks and behind,
                  "" if behind else "at this scale FP16 without scaling does not fall behind within the run; the "
-                 "lost-gradient share above shows what it loses", "loss_curves.svg"), runs
+                 "lost-gradient share above shows what it loses", "loss_curves.svg loss_gap.svg"), runs
 
 
 def master_weights_matter(device, steps):

@@ -6,15 +6,20 @@ Read first: `line_chart`.
 import math
 
 COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#76b7b2", "#edc948"]
-WIDTH, HEIGHT, LEFT, RIGHT, TOP, BOTTOM = 760, 420, 70, 170, 40, 50
+WIDTH, HEIGHT, LEFT, RIGHT, TOP, BOTTOM = 820, 420, 70, 230, 40, 50
 
 
 def _esc(text):
     return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def _ticks(low, high, count=5):
-    """About `count` round numbers spanning [low, high]."""
+def _ticks(low, high, count=5, log=False):
+    """About `count` round numbers spanning [low, high] (on a log axis: 1, 2, 5 x 10^k, as logs)."""
+    if log:
+        decades = range(math.floor(low) - 1, math.ceil(high) + 1)
+        marks = [math.log10(m * 10 ** d) for d in decades for m in (1, 2, 5)]
+        inside = [v for v in marks if low - 1e-9 <= v <= high + 1e-9]
+        return inside if len(inside) >= 2 else _ticks(low, high, count)
     if high <= low:
         return [low]
     step = 10 ** math.floor(math.log10((high - low) / count))
@@ -24,6 +29,15 @@ def _ticks(low, high, count=5):
             break
     first = math.ceil(low / step) * step
     return [first + i * step for i in range(int((high - first) / step) + 1)]
+
+
+def moving_average(points, window):
+    """[(x, mean of the last `window` y's)]: a readable line through a noisy loss curve."""
+    out = []
+    for i, (x, _) in enumerate(points):
+        recent = [y for _, y in points[max(0, i - window + 1):i + 1]]
+        out.append((x, sum(recent) / len(recent)))
+    return out
 
 
 def line_chart(series, title, x_label, y_label, log=False, marks=()):
@@ -42,12 +56,12 @@ def line_chart(series, title, x_label, y_label, log=False, marks=()):
            f'font-size="12">', f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
            f'<text x="{LEFT}" y="22" font-size="14" font-weight="bold">{_esc(title)}</text>',
            f'<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>']
-    for value in _ticks(y0, y1):
+    for value in _ticks(y0, y1, log=log):
         y = TOP + plot_h - (value - y0) / (y1 - y0) * plot_h
         label = f"{10 ** value:.3g}" if log else f"{value:.3g}"
         out.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
                    f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{label}</text>')
-    for value in _ticks(x0, x1):
+    for value in _ticks(x0, x1, log=log):
         x = LEFT + (value - x0) / ((x1 - x0) or 1) * plot_w
         label = f"{10 ** value:.3g}" if log else f"{value:.3g}"
         out.append(f'<text x="{x:.1f}" y="{TOP + plot_h + 16}" text-anchor="middle">{label}</text>')
