@@ -225,7 +225,8 @@ def what_if(gpu_gib=80, ranks=8, precision_name="bf16"):
             for zero in (0, 3):
                 cfg = big_config(name, precision=precision_name, ckpt=ckpt, attn="manual")
                 c = zero_components(components(cfg), ranks, 3 if zero else 0)
-                out.append(dict(shape=name, P=param_count(cfg)[0], ckpt=ckpt, zero=f"ZeRO-3/{ranks}" if zero else "none",
+                out.append(dict(shape=name, P=param_count(cfg)[0], ckpt=ckpt,
+                                zero=f"ZeRO-3/{ranks}" if zero else "none",
                                 states=c["parameters"] + c["gradients"] + c["optimizer"], buffers=c["buffers"],
                                 activations=activation_bytes(cfg),
                                 max_b=largest_micro_batch(cfg, gpu_gib * 2 ** 30, shard=ranks if zero else 1)))

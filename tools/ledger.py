@@ -26,7 +26,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's files sit one folder up
 
-import torch  # noqa: E402
 
 import accumulate  # noqa: E402
 import fp8  # noqa: E402
@@ -82,9 +81,9 @@ def compare(cfg, meas):
 
 
 def format_comparison(cfg, rows, meas):
-    lines = [f"memory ledger: precision {precision.recipe(cfg).name}, ckpt {cfg.ckpt}, attn {cfg.attn}, L={cfg.n_layer} "
-             f"h={cfg.n_embd} a={cfg.n_head} s={cfg.block_size} b={cfg.batch_size} dropout={cfg.dropout}, "
-             f"device {cfg.device}",
+    lines = [f"memory ledger: precision {precision.recipe(cfg).name}, ckpt {cfg.ckpt}, attn {cfg.attn}, "
+             f"L={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} s={cfg.block_size} b={cfg.batch_size} "
+             f"dropout={cfg.dropout}, device {cfg.device}",
              f"{'component':12} {'predicted':>14} {'measured':>14} {'rel.err':>8}  check"]
     for k, p, m, err, ok, rule in rows:
         note = " (host memory, not in the peak)" if k == "rng_states" else ""

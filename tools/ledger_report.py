@@ -20,8 +20,8 @@ def format_table(rows):
              f"{'activations':>11} {'total':>11}  how"]
     for name, c, how in rows:
         lines.append(f"{name:34} {fmt_bytes(c['parameters']):>11} {fmt_bytes(c['buffers']):>11} "
-                     f"{fmt_bytes(c['gradients']):>11} {fmt_bytes(c['optimizer']):>12} {fmt_bytes(c['activations']):>11} "
-                     f"{fmt_bytes(sum(c[k] for k in KEYS)):>11}  {how}")
+                     f"{fmt_bytes(c['gradients']):>11} {fmt_bytes(c['optimizer']):>12} "
+                     f"{fmt_bytes(c['activations']):>11} {fmt_bytes(sum(c[k] for k in KEYS)):>11}  {how}")
     return "\n".join(lines)
 
 
