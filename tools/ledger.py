@@ -38,6 +38,7 @@ import train  # noqa: E402
 from config import UsageError, key, parse_args, usage  # noqa: E402
 from snapshot import write_atomically  # noqa: E402
 from tools import ledger_report as report  # noqa: E402
+from tools.ledger_report import fmt_bytes, format_table  # noqa: E402,F401  (tools/chapter.py prints with them)
 
 ACT_TOL_CUDA = 0.05  # CUDA activations: allocator deltas (memory_measure.CudaAllocator says why); CPU: exact
 PEAK_TOL_CPU = 0.02  # the walk's peak against LiveTensors' (exact on the configs the tests run)
@@ -48,7 +49,7 @@ FP8_CPU_SHAPE = dict(n_layer=2, n_embd=32, n_head=2, block_size=32, batch_size=2
 class LedgerOptions:
     ranks: int = key(8, "data-parallel ranks for the ZeRO rows and the what-if", at_least=1)
     tp: int = key(8, "tensor-parallel size for the TP rows and the published Table 2 rows", at_least=1)
-    pp: int = key(8, "pipeline stages for the PP rows (shown when it divides n_layer)", at_least=1)
+    pp: int = key(8, "pipeline stages for the PP rows (the largest divisor of n_layer up to it)", at_least=1)
     cp: int = key(4, "context-parallel size for the CP row", at_least=1)
     gpu_gib: int = key(80, "GPU memory of the what-if, GiB", at_least=1)
     table: str = key("measure", "measure the rows this project runs, or formulas only", ("measure", "formula"))
