@@ -4,9 +4,10 @@ Chapter section 4 ("The whole picture of memory optimisation"): the four memory
 components (parameters, gradients, optimizer states, activations) for this model, under
 the techniques of sections 1-3. Read first: `state_bytes` (parameters, gradients, FP32
 master weights, AdamW states), then `block_activation_terms` (what autograd keeps for
-one block of *this* model, term by term), then `peak_estimate`. The same numbers are
-measured by memory_measure.py; the parallel techniques (ZeRO, TP, PP, CP, offload) and
-the big shapes are memory_parallel.py; `make ledger` (tools/ledger.py) prints both.
+one block of *this* model, term by term), then `peak_estimate` (a walk over the step,
+memory_timeline.py). The same numbers are measured by memory_measure.py; the parallel
+techniques (ZeRO, TP, PP, CP, offload) and the big shapes are memory_parallel.py;
+`make ledger` (tools/ledger.py) prints both.
 
 Config in, bytes out. The letters of the formulas (`dims`):
   b micro-batch, s context (block_size), h width (n_embd), a heads, L layers, V vocab,
@@ -18,16 +19,28 @@ Config in, bytes out. The letters of the formulas (`dims`):
   view of a parameter or buffer, like the causal mask, costs nothing new). Under recompute
   that is only the units' inputs; the internals of one unit come back during backward and
   are counted in the *peak*, not in "activations".
+  "inputs" = the batch: token ids and targets, int64, 2 x b*s*8 bytes. Autograd holds
+  references to them (the embedding saves the ids, the loss the targets), but the caller
+  made them before the forward and holds them past the step, so they are the step's
+  input, not activations: their own line, never in "activations" (MemTracker files them
+  as inputs too). memory_measure.random_batch gives x and y separate storages, as the
+  trainer's batches on a GPU have (one b=1 row would otherwise hold both: defect 3 of issue 10).
+  "rng_states" = host memory: the RNG state each recompute unit keeps (checkpoint.Recompute)
+  so that dropout draws the same masks when re-run. Not device memory, not in the peak.
   "peak" = the most bytes alive at any moment of a steady-state step (optimizer states
   already exist), and where in the step it happens.
 """
 import math
 from dataclasses import replace
 
-import checkpoint
-import precision
+import torch
 
-COMPONENTS = ("parameters", "gradients", "master", "optimizer", "activations", "buffers")
+import checkpoint
+import memory_timeline
+import precision
+from memory_ops import FP8_SCALES, Sizes
+
+COMPONENTS = ("parameters", "buffers", "gradients", "master", "optimizer", "activations", "inputs", "rng_states")
 
 
 def dims(cfg):
@@ -89,14 +102,18 @@ def state_bytes(cfg):
 
 
 def fp8_weight_copies(cfg):
-    """(persistent, transient) bytes of FP8 weight copies beyond the BF16 parameters ("FP8's extra
-    weight copies"). The FP8 Linears are the 4 per block: c_attn 3h*h, c_proj h*h, c_fc 4h*h and
-    the MLP c_proj h*4h, 12h^2 weights per block; the tied head and the embeddings stay BF16.
+    """(persistent, transient) bytes of FP8 weight copies beyond the 16-bit parameters: the one
+    place the FP8 weight-copy terms of the formulas live (the walk's per-op steps are
+    memory_ops.fp8_weight_copies_in_forward). The FP8 Linears are the 4 per block: c_attn
+    3h*h, c_proj h*h, c_fc 4h*h and the MLP c_proj h*4h, 12h^2 weights per block; the tied
+    head and the embeddings stay BF16.
 
-    native (fp8.FP8Linear): no persistent FP8 weight. Each forward quantizes W afresh:
-      an FP32 temporary of W (4*out*in bytes) and then its E4M3 copy (out*in bytes), both freed
-      once the matmul has run. Transient: at most one Linear's, the largest (4h^2 weights):
-      5 * 4h^2 = 20h^2 bytes on top of whatever else is alive in that forward (or recompute).
+    native (fp8.FP8Linear, today's code): no persistent FP8 weight. Each forward quantizes W
+      afresh: an FP32 temporary of W (4*out*in bytes), then its E4M3 copy (out*in bytes),
+      both freed once that Linear's matmul has run. Transient: at most one Linear's at a
+      time, the largest (4h^2 weights): 5 * 4h^2 = 20h^2 bytes.
+      (Caching the E4M3 weight across micro-steps, as issue 13 plans, would make 12h^2*L
+      bytes persistent here and drop the E4M3 step from the walk.)
     te (Transformer Engine's Linear): keeps, per Linear, its E4M3 weight and the transposed
       E4M3 copy its backward GEMM wants, cached across steps: 2 * 12h^2 * L bytes, alive always
       (like a parameter). FORMULA ONLY: the ledger does not measure TE, and TE's own
@@ -112,6 +129,23 @@ def fp8_weight_copies(cfg):
     return 0, 5 * 4 * h * h
 
 
+def input_bytes(cfg):
+    """The batch, token ids x and targets y: int64, b*s each (see "inputs" above)."""
+    return 2 * cfg.batch_size * cfg.block_size * 8
+
+
+def rng_state_bytes(cfg):
+    """Host bytes of the RNG states the recompute units keep (checkpoint.Recompute's ctx.rng,
+    snapshot.rng_state): one per unit (full: L, sqrt: ceil(L/k), selective: one per block's
+    core; none: 0), alive from the forward to the end of that unit's backward. The CPU
+    generator's state is a byte tensor whose size torch decides (torch.get_rng_state(),
+    read here, not assumed); on CUDA each unit also keeps the CUDA generator's state, seed
+    and Philox offset, 8 + 8 bytes, also a CPU tensor (CUDAGeneratorImpl::get_state in
+    aten/src/ATen/cuda/CUDAGeneratorImpl.cpp). Never on the device, so not in the peak."""
+    n = len(units(cfg)) if cfg.ckpt in ("full", "sqrt") else cfg.n_layer if cfg.ckpt == "selective" else 0
+    return n * (torch.get_rng_state().numel() + (8 + 8 if on_cuda(cfg) else 0))
+
+
 def bytes_per_param(cfg):
     """(params, grads, master, optimizer) bytes per parameter: 4+4+0+8 or 2+2+4+8 (= 16, the ZeRO figure)."""
     one = replace(cfg, n_layer=1, n_embd=64, n_head=1, block_size=1, batch_size=1, vocab_size=1, device="cuda",
@@ -123,14 +157,26 @@ def bytes_per_param(cfg):
 # ---------------------------------------------------------------- activations
 
 def _stat_bytes(cfg):
-    """LayerNorm saves mean and rstd per token: in the activation dtype on CPU, FP32 on CUDA."""
+    """LayerNorm saves mean and rstd per token: in the activation dtype on CPU (measured), FP32
+    on CUDA: layer_norm_cuda allocates them in the accumulate type, float for half and bfloat16
+    inputs (aten/src/ATen/native/cuda/layer_norm_kernel.cu)."""
     return 4 if on_cuda(cfg) else precision.recipe(cfg).element_bytes
 
 
 def _mask_bytes(cfg):
-    """Dropout's saved mask per element: CPU's dropout is input * (bernoulli noise / (1-p)) and
-    the mul saves the noise in the input dtype; CUDA's fused native_dropout saves a bool mask."""
+    """Dropout's saved mask per element. CPU: dropout is input * (bernoulli noise / (1-p)) and the
+    mul saves the noise, in the input dtype (measured). CUDA: the fused native_dropout saves a
+    bool mask, 1 byte (native_dropout_cuda -> dropout_cuda<bool> in aten/src/ATen/native/cuda/Dropout.cu)."""
     return 1 if on_cuda(cfg) else precision.recipe(cfg).element_bytes
+
+
+def _lse_rows(cfg):
+    """Rows of sdpa's FP32 logsumexp per (b, a). CUDA fp32 runs the memory-efficient kernel, which
+    pads them to 32*ceil(s/32) (kAlignLSE = 32, the block size of its backward: the logsumexp
+    allocation in _efficient_attention_forward, aten/src/ATen/native/transformers/cuda/attention.cu);
+    16-bit runs flash attention, whose softmax_lse is s rows; CPU's flash kernel keeps s rows."""
+    s = cfg.block_size
+    return 32 * math.ceil(s / 32) if (on_cuda(cfg) and precision.recipe(cfg).element_bytes == 4) else s
 
 
 def block_activation_terms(cfg, policy="none"):
@@ -149,7 +195,8 @@ def block_activation_terms(cfg, policy="none"):
     "V" as 4sbh + 2sbh, which here are the copies matmul makes, so the totals agree. The causal
     mask is in neither: here it is a buffer (state, L*s^2 bytes for the model), not an activation.
     fp8: every Linear (fp8.FP8Linear) saves its input as E4M3, 1 byte per element, plus its
-      two FP32 scales (one 8-byte storage); everything else stays BF16.
+      two FP32 scales (one 8-byte storage); everything else stays BF16. So with sdpa, c_proj's
+      saved input is its own E4M3 copy, not the sdpa output (which sdpa still saves).
     """
     _, h, a, s, b, _ = dims(cfg)
     rec = precision.recipe(cfg)
@@ -160,25 +207,29 @@ def block_activation_terms(cfg, policy="none"):
     if policy == "selective":
         t += [("q,k,v (recompute inputs)", 3 * bsh * e)]
     elif cfg.attn == "manual":
-        t += [("Q, K copies for QK^T", 2 * bsh * e), ("softmax output", a * s * s * b * e)]
+        # one sequence (b = 1): (1, a, T, d) -> (a, T, d) is a view, so the matmuls save q, k, v
+        # themselves, views of c_attn's output, instead of contiguous copies: the same bytes
+        t += [("q,k,v (c_attn output)", 3 * bsh * e)] if b == 1 else [("Q, K copies for QK^T", 2 * bsh * e)]
+        t += [("softmax output", a * s * s * b * e)]
         if drop:
             t += [("attention dropout mask", a * s * s * b * em), ("attention dropout output", a * s * s * b * e)]
-        t += [("V copy for att@V", bsh * e)]
+        t += [] if b == 1 else [("V copy for att@V", bsh * e)]
     elif not cuda and drop:
         # CPU sdpa with dropout takes the math path, which upcasts 16-bit inputs to FP32 and
-        # saves what the manual core saves (scaled Q, K copies, softmax, mask, dropout output, V)
+        # saves what the manual core saves (scaled Q, K copies, softmax, mask, dropout output, V);
+        # for b = 1 and FP32 inputs v is not copied: a view of c_attn's output is saved, 3bsh
+        v = ("q,k,v (c_attn output)", 3 * bsh * 4) if (b == 1 and e == 4) else ("sdpa-math V copy (fp32)", bsh * 4)
         t += [("sdpa-math Q, K copies (fp32)", 2 * bsh * 4), ("sdpa-math softmax (fp32)", a * s * s * b * 4),
               ("sdpa-math dropout mask (fp32)", a * s * s * b * 4),
-              ("sdpa-math dropout output (fp32)", a * s * s * b * 4), ("sdpa-math V copy (fp32)", bsh * 4)]
+              ("sdpa-math dropout output (fp32)", a * s * s * b * 4), v]
     else:
         # flash / memory-efficient sdpa: q, k, v (views of c_attn's output), the output,
         # and the FP32 log-sum-exp per (b, a, s) row; no s^2 tensor at all. The kernels write
         # their output in (b, s, a, d) layout, so y.transpose(1, 2).contiguous() copies nothing
-        # and c_proj's input is that same storage: one bsh term, not two.
-        lse_s = 32 * math.ceil(s / 32) if (cuda and e == 4) else s  # CUDA mem-efficient pads
-        t += [("q,k,v (c_attn output)", 3 * bsh * e), ("sdpa output = c_proj input", bsh * e),
-              ("sdpa logsumexp (fp32)", b * a * lse_s * 4)]
-    if policy == "selective" or cfg.attn == "manual" or (not cuda and drop):
+        # and an nn.Linear c_proj saves that same storage as its input: one bsh term, not two
+        t += [("q,k,v (c_attn output)", 3 * bsh * e), ("sdpa output", bsh * e),
+              ("sdpa logsumexp (fp32)", b * a * _lse_rows(cfg) * 4)]
+    if policy == "selective" or cfg.attn == "manual" or (not cuda and drop) or rec.fp8 is not None:
         t += [("c_proj input", bsh * el)]
     if drop:
         t += [("residual dropout mask", bsh * em)]
@@ -187,22 +238,23 @@ def block_activation_terms(cfg, policy="none"):
     if drop:
         t += [("MLP dropout mask", bsh * em)]
     if rec.fp8 is not None:
-        t += [("FP8 scales (x_scale, w_scale) x 4 Linears", 4 * 8)]
+        t += [(name, 8) for name in FP8_SCALES.values()]
     return t
 
 
 def head_activation_terms(cfg):
     """[(term, bytes)] saved outside the blocks: embeddings, final LayerNorm, tied head, loss.
     The loss is computed on logits.float(), so log-softmax keeps b*s*V FP32 values whatever
-    the precision -- at V=50257 that is the largest single activation of a small GPT."""
+    the precision -- at V=50257 that is the largest single activation of a small GPT.
+    The token ids (saved by wte) and targets (by the loss) are the batch: `input_bytes`."""
     _, h, _, s, b, V = dims(cfg)
     e = precision.recipe(cfg).element_bytes
-    t = [("token ids (wte)", b * s * 8), ("positions (wpe)", s * 8)]
+    t = [("positions (wpe)", s * 8)]
     if cfg.dropout > 0:
         t += [("embedding dropout mask", b * s * h * _mask_bytes(cfg))]
     t += [("ln_f input", b * s * h * e), ("ln_f mean+rstd", 2 * b * s * _stat_bytes(cfg)),
           ("head input (ln_f output)", b * s * h * e), ("log-softmax output (fp32)", b * s * V * 4),
-          ("targets", b * s * 8), ("loss total_weight", 4)]
+          ("loss total_weight", 4)]
     return t
 
 
@@ -231,84 +283,56 @@ def activation_bytes(cfg):
 def predicted(cfg):
     """{component: bytes} for the components memory_measure.measure counts."""
     st = state_bytes(cfg)
-    return dict(parameters=st["parameters"], gradients=st["gradients"], master=st["master"],
-                optimizer=st["optimizer"], activations=activation_bytes(cfg), buffers=st["buffers"])
+    return dict(parameters=st["parameters"], buffers=st["buffers"], gradients=st["gradients"], master=st["master"],
+                optimizer=st["optimizer"], activations=activation_bytes(cfg), inputs=input_bytes(cfg),
+                rng_states=rng_state_bytes(cfg))
 
 
 def components(cfg):
-    """The chapter's four components (master weights folded into optimizer states; buffers and
-    any persistent FP8 weight copies into parameters)."""
+    """The chapter's four components, and buffers on their own line (ZeRO-3/FSDP shards
+    parameters, not buffers): master weights fold into optimizer states, TE's persistent
+    FP8 weight copies into parameters (per parameter, so they shard with them)."""
     st = state_bytes(cfg)
-    return dict(parameters=st["parameters"] + st["buffers"] + st["fp8_weights"], gradients=st["gradients"],
+    return dict(parameters=st["parameters"] + st["fp8_weights"], buffers=st["buffers"], gradients=st["gradients"],
                 optimizer=st["master"] + st["optimizer"], activations=activation_bytes(cfg))
 
 
 # ---------------------------------------------------------------- the peak
 
-def peak_estimate(cfg, shard=1):
-    """(bytes, where, alive) of the highest point of a steady-state step, from a walk over
-    the step's timeline (the optimizer states already exist; .grad is None at the start).
-
-    static  parameters + buffers + master + AdamW states (+ FP32 grad buffers, + TE's cached FP8
-      weights, fp8_weight_copies): alive always.
-    backward start  all activations + the FP32 gradients of log-softmax and of the logits (2 x 4bsV).
-    backward, unit u (last to first)  activations of units < u (and u's own), gradients of the head and
-      of units > u, plus what a recomputed unit brings back (its blocks' internals; the attention
-      core for selective) and the b*s*h gradient flowing in; for native fp8 under full/sqrt, the
-      recomputed forward also quantizes W again: fp8_weight_copies' transient (20h^2) on top.
-      (Not modelled: native fp8's backward dequantizes x to BF16 for wgrad, M*in*2 bytes, which
-      lives next to dgrad's output of the same size; grad_flow's largest pair stands for both.)
-    optimizer step  the 16-bit gradients, their FP32 master copies (low precision only) and AdamW's
-      FP32 temporary sqrt(v) (torch's foreach AdamW), 4P each.
-    shard=N: ZeRO-3 over N ranks, every per-parameter byte / N (plus one gathered block, 2x).
-    """
+def timeline_sizes(cfg):
+    """memory_ops.Sizes for cfg: what the walk over a step needs to know."""
     L, h, a, s, b, V = dims(cfg)
-    st, rec = state_bytes(cfg), precision.recipe(cfg)
-    e, (P, _), low = rec.element_bytes, param_count(cfg), rec.master_weights
-    static = (st["parameters"] + st["buffers"] + st["fp8_weights"] + st["master"] + st["optimizer"]
-              + (st["gradients"] - e * P))
+    rec = precision.recipe(cfg)
+    core = "manual" if cfg.attn == "manual" else "math" if (not on_cuda(cfg) and cfg.dropout > 0) else "sdpa"
+    return Sizes(L=L, b=b, s=s, h=h, a=a, V=V, e=rec.element_bytes, fp8=rec.fp8 is not None,
+                 fp8_e5m2=rec.fp8 is not None and rec.fp8.grad == "e5m2",
+                 loss_scaled=rec.loss_scaling != "none", bias=cfg.bias,
+                 drop=cfg.dropout > 0, cuda=on_cuda(cfg), core=core)
+
+
+def peak_walk(cfg, shard=1):
+    """memory_timeline.walk_step for cfg: the Walk over one steady-state step.
+    shard=N: ZeRO-3 over N ranks: every per-parameter state and gradient / N, plus one block's
+    parameters gathered (and its gradient before the reduce-scatter); buffers are not sharded."""
+    L, h, _, _, _, V = dims(cfg)
+    st, rec, (P, _) = state_bytes(cfg), precision.recipe(cfg), param_count(cfg)
+    e, low = rec.element_bytes, rec.master_weights
+    fp32_sums = st["gradients"] - e * P  # the FP32 accumulation buffers, alive all step
+    per_param = st["parameters"] + st["fp8_weights"] + st["master"] + st["optimizer"] + fp32_sums
     if shard > 1:
-        static = static // shard + 2 * e * (12 * h * h)  # + one block gathered (and its grad)
-    P_here = P // shard
-    block_params = 12 * h * h + (13 * h if cfg.bias else 2 * h)
-    head = sum(v for _, v in head_activation_terms(cfg))
-    # in flight inside one block's backward: the incoming b*s*h gradient plus the largest pair of
-    # gradients alive together: softmax's input and output gradients (manual attention,
-    # a*s^2*b each) or GELU's (4bsh each)
-    core_grads = 2 * a * s * s * b * e if cfg.attn == "manual" else 0
-    # (measured to matter under full/sqrt, where the recomputed internals sit on top of it;
-    # without recompute the block frees its saved tensors as fast as these appear)
-    grad_flow = b * s * h * e
-    if cfg.ckpt in ("full", "sqrt"):
-        grad_flow += max(core_grads, 8 * b * s * h * e)
-    points = [(static + activation_bytes(cfg) + 2 * 4 * b * s * V,
-               "start of backward", "static + all activations + FP32 logit gradients")]
-    none_block = sum(v for _, v in block_activation_terms(cfg, "none"))
-    grads_head = e * (P - L * block_params) // shard
-    if cfg.ckpt in ("full", "sqrt"):
-        groups = units(cfg)
-        kept = [b * s * h * e] * len(groups)
-        extra = [len(g) * none_block + fp8_weight_copies(cfg)[1] for g in groups]
-    else:
-        groups = [[i] for i in range(L)]
-        kept = [sum(v for _, v in block_activation_terms(cfg, cfg.ckpt))] * L
-        core = none_block - sum(v for _, v in block_activation_terms(cfg, "selective")) + 3 * b * s * h * e
-        extra = [core if cfg.ckpt == "selective" else 0] * L
-    done = grads_head
-    for u in reversed(range(len(groups))):
-        alive = static + sum(kept[:u + 1]) + done + extra[u] + grad_flow + (head - head_activation_terms_tail(cfg))
-        points.append((alive, f"backward through unit {u}" if len(groups) > 1 else "backward through block 0",
-                       "static + activations of earlier units + gradients so far + recomputed internals"))
-        done += e * len(groups[u]) * block_params // shard
-    # with FP32 accumulation the master gradients *are* the buffers (already in static)
-    grads_at_step = 0 if (cfg.fp32_grad_accum and low) else e * P_here + (4 * P_here if low else 0)
-    step = static + grads_at_step + 4 * P_here
-    points.append((step, "optimizer step (AdamW)",
-                   "static + gradients" + (" + FP32 master gradients" if low else "") + " + AdamW temporaries"))
-    return max(points, key=lambda p: p[0])
+        per_param = per_param // shard + 2 * e * (12 * h * h)
+    static = per_param + st["buffers"] + input_bytes(cfg)
+    matrices = V * h + cfg.block_size * h + 12 * h * h * L  # AdamW's weight-decay group: the 2-D parameters
+    terms = dict(block_activation_terms(cfg, "none"))
+    kept = dict(block_activation_terms(cfg, cfg.ckpt)) if cfg.ckpt == "selective" else terms
+    return memory_timeline.walk_step(timeline_sizes(cfg), static, terms, kept, dict(head_activation_terms(cfg)),
+                                     cfg.ckpt, units(cfg), [matrices, P - matrices], 4 * P if low else 0,
+                                     bool(fp32_sums), shard)
 
 
-def head_activation_terms_tail(cfg):
-    """The part of head_activation_terms freed once backward has left the head (all but the embedding's)."""
-    keep = ("token ids (wte)", "positions (wpe)", "embedding dropout mask")
-    return sum(v for n, v in head_activation_terms(cfg) if n not in keep)
+def peak_estimate(cfg, shard=1):
+    """(bytes, where, what is alive) at the highest point of a steady-state step, from
+    memory_timeline's walk (the optimizer states exist already; .grad is None at the start)."""
+    w = peak_walk(cfg, shard)
+    alive = ", ".join(f"{k} {v:,}" for k, v in sorted(w.parts.items()))
+    return w.peak, w.where, f"states, buffers and the batch {w.static:,}" + (f" + {alive}" if alive else "")

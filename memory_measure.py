@@ -7,7 +7,7 @@ memory_allocated), then `measure`, which runs accumulate.accumulation_step itsel
 reads memory at each of its phases.
 
 On CPU both counters are exact: they see every storage by identity. On CUDA the caching
-allocator's own counters stand in for LiveTensors (they round each block up to 512 bytes).
+allocator's own counters stand in for LiveTensors (see CudaAllocator for where they differ).
 """
 import weakref
 
@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import accumulate
+import checkpoint
 
 
 def storage_key(t):
@@ -151,7 +152,15 @@ class LiveTensors(TorchDispatchMode):
 class CudaAllocator:
     """The same interface on CUDA: the caching allocator's own counters. Every phase starts
     with reset_peak_memory_stats, so max_memory_allocated is that phase's peak. (It resets
-    the process's peak statistics: the tools run it in their own process, never a training run.)"""
+    the process's peak statistics: the tools run it in their own process, never a training run.)
+
+    Why its readings are not exact, so the CUDA ledger keeps a tolerance for them (and for
+    them only; storage sizes are exact on CUDA too): memory_allocated counts allocator blocks,
+    not tensors. Every request is rounded up to a multiple of 512 bytes (c10/cuda/
+    CUDACachingAllocator.cpp, round_size: kMinBlockSize = 512), so a 4-byte loss costs 512; a
+    request over 1 MiB may be served by a cached block up to 1 MiB larger, which is not split
+    and counts whole; and kernels allocate their own scratch through it (cuBLAS workspaces,
+    the attention kernels' accumulators) that no formula here counts."""
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -189,11 +198,30 @@ class CudaAllocator:
 
 
 def random_batch(cfg, device, b=None):
-    """A seeded (x, y) of random bytes, b sequences of cfg.block_size."""
+    """A seeded (x, y) of random bytes, b sequences of cfg.block_size, in two storages of their
+    own. (Not .contiguous(): for one sequence the shifted slice is contiguous already, so x and
+    y would stay views of one (s+1)-token storage and the ledger's inputs would come out
+    (s-1) x 8 bytes short: issue 10, defect 3.)"""
     g = torch.Generator().manual_seed(cfg.seed)
     b = b or cfg.batch_size
     xy = torch.randint(0, 256, (b, cfg.block_size + 1), generator=g)
-    return xy[:, :-1].contiguous().to(device), xy[:, 1:].contiguous().to(device)
+    return xy[:, :-1].clone().to(device), xy[:, 1:].clone().to(device)
+
+
+def rng_state_bytes(loss):
+    """Host bytes of the RNG states held by the recompute units in loss's autograd graph
+    (checkpoint.Recompute's ctx.rng; the ctx *is* the graph node), distinct storages."""
+    seen, stack, found = set(), [loss.grad_fn], {}
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, checkpoint.Recompute._backward_cls):
+            for t in node.rng.values():
+                found[storage_key(t)] = t.untyped_storage().nbytes()
+        stack.extend(fn for fn, _ in node.next_functions)
+    return sum(found.values())
 
 
 def measure(model, parts, batch, device):
@@ -201,11 +229,12 @@ def measure(model, parts, batch, device):
 
     Call it when the optimizer states already exist (after a first step): the steady state.
     Returns measured bytes per component, the phase readings and the peak with its phase.
-    parameters, master, optimizer, buffers and gradients are storage sizes on every device
-    (gradients: the distinct storages of the .grad tensors once backward is done, plus the
-    FP32 buffers with fp32_grad_accum), so they can match the formulas to the byte.
+    parameters, master, optimizer, buffers, inputs (the batch) and gradients are storage sizes
+    on every device (gradients: the distinct storages of the .grad tensors once backward is
+    done, plus the FP32 buffers with fp32_grad_accum), so they can match the formulas to the
+    byte; so are rng_states, host tensors found in the autograd graph after the forward.
     activations: saved-tensor storages on CPU, the allocator's growth over the forward on
-    CUDA. Storages of parameters and buffers never count as activations.
+    CUDA. Storages of parameters, buffers and the batch never count as activations.
     """
     device = torch.device(device)
     opt = parts.optimizer
@@ -216,23 +245,29 @@ def measure(model, parts, batch, device):
     out = dict(parameters=storage_bytes(params, device),
                buffers=storage_bytes(buffers, device, exclude=storage_ids(params)),
                master=storage_bytes(opt.master_params, device, exclude=storage_ids(params)),
-               optimizer=storage_bytes(opt.state_tensors(), device))
-    phase, saved = {}, SavedBytes(static)
+               optimizer=storage_bytes(opt.state_tensors(), device),
+               inputs=storage_bytes(batch, device))
+    phase, saved, losses = {}, SavedBytes(static + list(batch)), []
+    hook = model.register_forward_hook(lambda module, args, output: losses.append(output[1]))
 
     def observe(name):
         phase[name] = tracker.read()
         if name == "backward":
             out["saved"] = saved.total  # what the forward saved, before any recompute re-run
+            out["rng_states"] = rng_state_bytes(losses[-1])
         if name == "gradients":
             out["gradients"] = storage_bytes([p.grad for p in params] + (parts.grad_buffers or []), device)
         tracker.start_phase(name)
 
-    with tracker, saved:
-        tracker.adopt(static + (parts.grad_buffers or []) + list(batch))
-        tracker.reset_peak()
-        before = tracker.read()
-        accumulate.accumulation_step(model, parts, [batch], observe=observe)
-        phase["end"] = tracker.read()
+    try:
+        with tracker, saved:
+            tracker.adopt(static + (parts.grad_buffers or []) + list(batch))
+            tracker.reset_peak()
+            before = tracker.read()
+            accumulate.accumulation_step(model, parts, [batch], observe=observe)
+            phase["end"] = tracker.read()
+    finally:
+        hook.remove()
     out["phase"] = dict(before=before, **phase)
     # CUDA: the allocator's growth over the forward, less the 4-byte loss that is its output
     out["activations"] = phase["backward"] - before if cuda else out["saved"]

@@ -13,9 +13,10 @@ import torch
 
 from config import Config
 from memory_ledger import (activation_bytes, block_activation_terms, components, dims, head_activation_terms,
-                           param_count, peak_estimate, units)
+                           param_count, peak_walk, units)
 from model import GPT
 import precision
+from memory_ops import FP8_SCALES
 
 
 # ---------------------------------------------------------------- the literature's per-layer activations
@@ -57,61 +58,104 @@ def korthikanti_layer_bytes(s, b, h, a, policy="none"):
 # term it cannot place, so renaming or adding a term cannot silently change the TP numbers.
 TP_SPLIT = frozenset({
     "Q, K copies for QK^T", "softmax output", "attention dropout mask", "attention dropout output",
-    "V copy for att@V", "q,k,v (recompute inputs)", "q,k,v (c_attn output)", "sdpa output = c_proj input",
+    "V copy for att@V", "q,k,v (recompute inputs)", "q,k,v (c_attn output)", "sdpa output",
     "sdpa logsumexp (fp32)", "sdpa-math Q, K copies (fp32)", "sdpa-math softmax (fp32)",
     "sdpa-math dropout mask (fp32)", "sdpa-math dropout output (fp32)", "sdpa-math V copy (fp32)",
     "c_proj input", "GELU input", "MLP c_proj input (GELU output)"})
 TP_REPLICATED = frozenset({
     "ln_1 input", "ln_1 mean+rstd", "c_attn input", "residual dropout mask", "ln_2 input", "ln_2 mean+rstd",
-    "c_fc input", "MLP dropout mask", "FP8 scales (x_scale, w_scale) x 4 Linears"})
+    "c_fc input", "MLP dropout mask", *FP8_SCALES.values()})
 
 
-def tp_components(cfg, t, sp):
-    """Per-GPU components under tensor parallelism t (Megatron), with or without sequence parallel."""
-    L, h, _, s, b, V = dims(cfg)
-    c = components(cfg)
-    P, _ = param_count(cfg)
-    split = 12 * h * h * L + V * h  # Linear weights and the vocab-parallel embedding
-    frac = (split / t + (P - split)) / P
+def tp_block_bytes(cfg, t, sp):
+    """One block's saved bytes per GPU under TP t (SP: every term / t), for policy none or
+    selective: each term is split or replicated by name; a term in neither set raises."""
     acts = 0
     for name, v in block_activation_terms(cfg, cfg.ckpt if cfg.ckpt == "selective" else "none"):
         if name not in TP_SPLIT and name not in TP_REPLICATED:
             raise KeyError(f"block term {name!r} is in neither TP_SPLIT nor TP_REPLICATED")
         acts += v // t if (sp or name in TP_SPLIT) else v
-    acts *= L
+    return acts
+
+
+def tp_components(cfg, t, sp):
+    """Per-GPU components under tensor parallelism t (Megatron), with or without sequence parallel.
+
+    Parameters: the Linear weights, the column-parallel Linears' biases (c_attn, c_fc) and the
+    vocab-parallel embedding / t; LayerNorms, row-parallel biases and wpe replicated; buffers
+    (the causal masks, FP8 amax state) replicated. Activations per Korthikanti et al. 2022
+    sec. 4.2: without SP the block terms outside the parallel regions stay whole
+    (TP_REPLICATED), and outside the blocks only the vocab-parallel logits' log-softmax (and
+    the loss) is split: ln_f's input, output and statistics and the embedding dropout mask are
+    replicated. With SP every term is split along the sequence or the hidden dimension: / t."""
+    L, h, _, s, b, V = dims(cfg)
+    c = components(cfg)
+    P, _ = param_count(cfg)
+    split = 12 * h * h * L + V * h + ((3 * h + 4 * h) * L if cfg.bias else 0)
+    frac = (split / t + (P - split)) / P
+    acts = L * tp_block_bytes(cfg, t, sp)
     if cfg.ckpt in ("full", "sqrt"):
         e = precision.recipe(cfg).element_bytes
         acts = len(units(cfg)) * b * s * h * e // (t if sp else 1)
-    acts += sum(v for _, v in head_activation_terms(cfg)) // t  # vocab-parallel logits
-    return dict(parameters=int(c["parameters"] * frac), gradients=int(c["gradients"] * frac),
+    head_split = ("log-softmax output (fp32)", "loss total_weight")
+    acts += sum(v // t if (sp or name in head_split) else v for name, v in head_activation_terms(cfg))
+    return dict(parameters=int(c["parameters"] * frac), buffers=c["buffers"], gradients=int(c["gradients"] * frac),
                 optimizer=int(c["optimizer"] * frac), activations=acts)
+
+
+def zero_components(c, n, stage):
+    """ZeRO stage 1/2/3 over n data-parallel ranks (Rajbhandari et al. 2020, sec. 5): the
+    optimizer states (with the FP32 master copy), then the gradients, then the parameters
+    partitioned / n. Buffers are not parameters: ZeRO-3/FSDP keeps them whole on every rank."""
+    out = dict(c)
+    for k in ("optimizer", "gradients", "parameters")[:stage]:
+        out[k] = c[k] // n
+    return out
+
+
+def pp_stages(cfg, p):
+    """(first stage, last stage) components under pipeline parallelism p with 1F1B (Megatron):
+    each stage holds L/p blocks; stage i has p - i micro-batches in flight, so the first
+    stage keeps p micro-batches of its blocks' activations (L blocks' worth) and of the
+    embeddings' (wte, wpe: its parameters), the last stage one micro-batch of its blocks'
+    and the head's (ln_f, log-softmax). The tied output head needs wte on the last stage too:
+    Megatron keeps a copy there (its gradient all-reduced with the first stage's), with its
+    own gradient and optimizer states."""
+    L, h, _, s, _, V = dims(cfg)
+    c, (P, _) = components(cfg), param_count(cfg)
+    per_param = {k: c[k] / P for k in ("parameters", "gradients", "optimizer")}  # bytes per parameter
+    block_params = 12 * h * h + (13 * h if cfg.bias else 2 * h)
+    head = dict(head_activation_terms(cfg))
+    embed_acts = sum(v for name, v in head.items() if name in ("positions (wpe)", "embedding dropout mask"))
+    head_acts = sum(head.values()) - embed_acts
+    block_acts = (c["activations"] - sum(head.values())) / L  # per block (under sqrt, an average)
+    n_first = V * h + s * h + L // p * block_params
+    n_last = L // p * block_params + (2 * h if cfg.bias else h) + V * h
+
+    def stage(n, acts):
+        return dict({k: int(v * n) for k, v in per_param.items()}, buffers=c["buffers"] // p, activations=int(acts))
+    return (stage(n_first, p * (L // p * block_acts + embed_acts)),
+            stage(n_last, L // p * block_acts + head_acts))
 
 
 def parallel_rows(cfg, ranks=8, tp=8, pp=8, cp=4):
     """[(technique, {component: bytes per GPU})] for the techniques this project does not run.
 
-      ZeRO-1 optimizer states / N; ZeRO-2 also gradients / N; ZeRO-3 (FSDP) also parameters / N.
-      TP t: block weights / t (embeddings vocab-parallel / t too); activations per Korthikanti:
-        the terms inside the column/row-parallel regions / t, the rest (LayerNorm and Linear
-        inputs, dropout masks) replicated. SP on top of TP: the replicated ones / t as well.
-      PP p: parameters, gradients, optimizer / p (L/p layers per stage); activations: with 1F1B
-        the first stage holds p micro-batches of L/p layers = L layers' worth: unchanged.
+      ZeRO-1 optimizer states / N; ZeRO-2 also gradients / N; ZeRO-3 (FSDP) also parameters
+        / N; buffers whole (zero_components).
+      TP t, and TP + SP: tp_components (Megatron, Korthikanti et al. 2022).
+      PP p: the first and the last stage (pp_stages: 1F1B, the tied embedding on both ends);
+        p is the largest divisor of L up to `pp`, so that every stage holds L/p whole blocks.
       CP c: every activation term scales with s, each rank holds s/c of the sequence: / c.
       CPU offload (ZeRO-Offload): FP32 master, AdamW states and the gradients live in CPU memory.
     """
     c = components(cfg)
-    z = dict(c)
-    rows = []
-    z["optimizer"] //= ranks
-    rows.append((f"ZeRO-1 over {ranks}", dict(z)))
-    z["gradients"] //= ranks
-    rows.append((f"ZeRO-2 over {ranks}", dict(z)))
-    z["parameters"] //= ranks
-    rows.append((f"ZeRO-3 over {ranks}", dict(z)))
+    rows = [(f"ZeRO-{k} over {ranks}", zero_components(c, ranks, k)) for k in (1, 2, 3)]
     rows.append((f"tensor parallel t={tp}", tp_components(cfg, tp, sp=False)))
     rows.append((f"TP t={tp} + sequence parallel", tp_components(cfg, tp, sp=True)))
-    rows.append((f"pipeline parallel p={pp}", dict(parameters=c["parameters"] // pp, gradients=c["gradients"] // pp,
-                                                  optimizer=c["optimizer"] // pp, activations=c["activations"])))
+    p = max(k for k in range(1, min(pp, cfg.n_layer) + 1) if cfg.n_layer % k == 0)  # stages of L/p blocks
+    first, last = pp_stages(cfg, p)
+    rows += [(f"pipeline p={p}, first stage", first), (f"pipeline p={p}, last stage", last)]
     rows.append((f"context parallel c={cp}", dict(c, activations=c["activations"] // cp)))
     rows.append(("CPU offload (ZeRO-Offload)", dict(c, gradients=0, optimizer=0)))
     return rows
@@ -141,11 +185,27 @@ def meta_param_count(cfg):
 
 
 def largest_micro_batch(cfg, gpu_bytes, shard=1, limit=1 << 16):
-    """Largest b whose estimated peak fits gpu_bytes (0 if not even b=1 fits)."""
-    fits = lambda b: peak_estimate(replace(cfg, batch_size=b), shard)[0] <= gpu_bytes
+    """Largest b whose peak (memory_ledger.peak_walk) fits gpu_bytes, 0 if not even b=1 fits.
+    Every tensor the walk counts either has a batch dimension or has none, so while the
+    walk's steps stay the same each of its points is x + b*y, linear in b: the walks at b=2
+    and b=3 give every point at every b. (b = 1 walks other steps: one sequence makes some
+    copies views.) The answer is checked by walking at it and one above; where the steps
+    change with b after all, a bisection over whole walks decides."""
+    fits = lambda b: peak_walk(replace(cfg, batch_size=b), shard).peak <= gpu_bytes
     if not fits(1):
         return 0
-    lo, hi = 1, 2
+    two, three = (peak_walk(replace(cfg, batch_size=b), shard) for b in (2, 3))
+    best = limit
+    if two.steps == three.steps:
+        for at2, at3 in zip(two.totals, three.totals):
+            if at3 > at2:  # grows with b: at2 + (b - 2) * (at3 - at2) <= gpu
+                best = min(best, 2 + (gpu_bytes - at2) // (at3 - at2))
+            elif at2 > gpu_bytes:
+                best = 1
+        best = max(best, 1)
+        if best == limit or (fits(best) and not fits(best + 1)):
+            return best
+    lo, hi = 1, 2  # the steps depend on b: bisect
     while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
     while hi - lo > 1:
@@ -155,15 +215,19 @@ def largest_micro_batch(cfg, gpu_bytes, shard=1, limit=1 << 16):
 
 
 def what_if(gpu_gib=80, ranks=8, precision_name="bf16"):
-    """[(shape, P, ckpt, zero, per-GPU static bytes, activations at b=1, largest b)] on CUDA."""
+    """[dict(shape, P, ckpt, zero, states, buffers, activations, max_b)] per GPU, CUDA dtypes,
+    manual attention, dropout as Config's default (0): states = parameters + gradients +
+    master + AdamW, / ranks under ZeRO-3; buffers whole (ZeRO-3 does not shard them);
+    activations after the forward at b=1; max_b from the peak walk."""
     out = []
     for name in BIG_SHAPES:
         for ckpt in ("none", "selective", "full"):
             for zero in (0, 3):
                 cfg = big_config(name, precision=precision_name, ckpt=ckpt, attn="manual")
-                c = components(cfg)
-                static = (c["parameters"] + c["gradients"] + c["optimizer"]) // (ranks if zero else 1)
-                b = largest_micro_batch(cfg, gpu_gib * 2 ** 30, shard=ranks if zero else 1)
-                out.append((name, param_count(cfg)[0], ckpt, f"ZeRO-3/{ranks}" if zero else "none", static,
-                            activation_bytes(cfg), b))
+                c = zero_components(components(cfg), ranks, 3 if zero else 0)
+                out.append(dict(shape=name, P=param_count(cfg)[0], ckpt=ckpt,
+                                zero=f"ZeRO-3/{ranks}" if zero else "none",
+                                states=c["parameters"] + c["gradients"] + c["optimizer"], buffers=c["buffers"],
+                                activations=activation_bytes(cfg),
+                                max_b=largest_micro_batch(cfg, gpu_gib * 2 ** 30, shard=ranks if zero else 1)))
     return out

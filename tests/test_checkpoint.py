@@ -352,7 +352,8 @@ def saved():
         out[policy] = {}
         for L in LAYERS:
             model = make_model(policy, n_layer=L, **MEM)
-            counter = SavedBytes([*model.parameters(), *model.buffers()])  # state, not activations
+            # state and the batch (memory_ledger's "inputs"), not activations
+            counter = SavedBytes([*model.parameters(), *model.buffers(), x, y])
             with counter:
                 _, loss = model(x, y)
             forward = counter.total

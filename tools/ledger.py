@@ -1,45 +1,59 @@
-"""`make ledger`: the memory ledger's report: predicted vs measured bytes, the chapter's table, an SVG.
+"""`make ledger`: the memory ledger's report: predicted vs measured bytes, the chapter's table,
+the published figures beside ours, the what-if for big shapes, an SVG.
 
 A tool, not a chapter file: it composes memory_ledger.py (formulas), memory_measure.py
-(measurement) and memory_parallel.py (the parallel techniques, the what-if) and prints.
+(measurement), memory_parallel.py (the parallel techniques, the what-if) and
+memory_papers.py (Korthikanti et al. 2022 and ZeRO's figures) and prints.
 
-    python tools/ledger.py --precision=bf16 --ckpt=full      (make ledger PRECISION=bf16 CKPT=full)
+    python tools/ledger.py --precision=bf16 --ckpt=full   (make ledger PRECISION=bf16 CKPT=full)
+    python tools/ledger.py --what_if_only                  (make ledger ARGS=--what_if_only)
 
-Every config key of train.py applies, plus the ledger's own: --ranks=N (ZeRO/data
-parallel), --tp=t, --pp=p, --cp=c (sequence/context parallel), --gpu_gib=G (what-if GPU
-size), --table=measure|formula. Exit status 0 when every component matched, 1 when one
-missed, 2 for bad input.
+--what_if_only prints the what-if and the published-figure table and nothing else: no model
+is built, nothing is measured. Every config key of train.py applies, plus the ledger's own
+(below). The checks: on CPU every component is exact to the byte (both sides count storages:
+no tolerance) and the peak is within 2% of the measured one (it is derived by walking the
+step, memory_timeline.py); on CUDA the storage sizes are exact, the activations within 5%
+(the caching allocator's rounding: memory_measure.CudaAllocator) and the peak is printed,
+not checked. FP8 on CPU goes through an emulated torch._scaled_mm, an order of magnitude
+slower on some CPUs than on others: on CPU the table's FP8 row is measured (and checked) at
+a tiny shape, and shown as the formula at this shape; the output says so. Exit status 0
+when every check passed, 1 when one missed, 2 for bad input.
 """
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's files sit one folder up
 
-import torch  # noqa: E402
 
 import accumulate  # noqa: E402
 import fp8  # noqa: E402
 import memory_ledger as ml  # noqa: E402
 import memory_measure  # noqa: E402
+import memory_papers  # noqa: E402
 import memory_parallel as mp  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
 from config import UsageError, key, parse_args, usage  # noqa: E402
 from snapshot import write_atomically  # noqa: E402
+from tools import ledger_report as report  # noqa: E402
+from tools.ledger_report import fmt_bytes, format_table  # noqa: E402,F401  (tools/chapter.py prints with them)
 
-EXACT = ("parameters", "gradients", "master", "optimizer", "buffers")  # storage sizes: must match to the byte
-ACT_TOL = {"cpu": 0.02, "cuda": 0.05}  # activations: saved-tensor bytes (CPU), allocator deltas (CUDA)
+ACT_TOL_CUDA = 0.05  # CUDA activations: allocator deltas (memory_measure.CudaAllocator says why); CPU: exact
+PEAK_TOL_CPU = 0.02  # the walk's peak against LiveTensors' (exact on the configs the tests run)
+FP8_CPU_SHAPE = dict(n_layer=2, n_embd=32, n_head=2, block_size=32, batch_size=2)  # FP8 rows measured here on CPU
 
 
 @dataclass
 class LedgerOptions:
     ranks: int = key(8, "data-parallel ranks for the ZeRO rows and the what-if", at_least=1)
-    tp: int = key(8, "tensor-parallel size for the TP rows", at_least=1)
-    pp: int = key(8, "pipeline stages for the PP row", at_least=1)
+    tp: int = key(8, "tensor-parallel size for the TP rows and the published Table 2 rows", at_least=1)
+    pp: int = key(8, "pipeline stages for the PP rows (the largest divisor of n_layer up to it)", at_least=1)
     cp: int = key(4, "context-parallel size for the CP row", at_least=1)
     gpu_gib: int = key(80, "GPU memory of the what-if, GiB", at_least=1)
     table: str = key("measure", "measure the rows this project runs, or formulas only", ("measure", "formula"))
+    what_if_only: bool = key(False, "print only the what-if and the published figures: nothing built or measured")
 
 
 def run_config(cfg, device):
@@ -51,62 +65,70 @@ def run_config(cfg, device):
 
 
 def compare(cfg, meas):
-    """[(component, predicted, measured, relative error, ok)] and whether all passed."""
-    pred, rows, tol = ml.predicted(cfg), [], ACT_TOL[cfg.device]
+    """[(component, predicted, measured, relative error, ok, rule)] and whether all passed:
+    every component exact, but the CUDA allocator's activations; then the peak."""
+    pred, rows, cuda = ml.predicted(cfg), [], cfg.device == "cuda"
     for k in ml.COMPONENTS:
         p, m = pred[k], meas[k]
         err = abs(m - p) / max(p, 1)
-        ok = m == p if k in EXACT else err <= tol
-        rows.append((k, p, m, err, ok))
+        tolerant = cuda and k == "activations"
+        rows.append((k, p, m, err, err <= ACT_TOL_CUDA if tolerant else m == p,
+                     f"<= {100 * ACT_TOL_CUDA:g}%" if tolerant else "exact"))
+    pk = ml.peak_estimate(cfg)[0]
+    err = abs(meas["peak"] - pk) / max(pk, 1)
+    rows.append(("peak", pk, meas["peak"], err, cuda or err <= PEAK_TOL_CPU,
+                 "printed, not checked" if cuda else f"<= {100 * PEAK_TOL_CPU:g}%"))
     return rows, all(r[4] for r in rows)
 
 
-def fmt_bytes(n):
-    for unit, div in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n} B"
-
-
 def format_comparison(cfg, rows, meas):
-    tol = ACT_TOL[cfg.device]
-    lines = [f"memory ledger: precision {precision.recipe(cfg).name}, ckpt {cfg.ckpt}, attn {cfg.attn}, L={cfg.n_layer} "
-             f"h={cfg.n_embd} a={cfg.n_head} s={cfg.block_size} b={cfg.batch_size} dropout={cfg.dropout}, "
-             f"device {cfg.device}",
+    lines = [f"memory ledger: precision {precision.recipe(cfg).name}, ckpt {cfg.ckpt}, attn {cfg.attn}, "
+             f"L={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} s={cfg.block_size} b={cfg.batch_size} "
+             f"dropout={cfg.dropout}, device {cfg.device}",
              f"{'component':12} {'predicted':>14} {'measured':>14} {'rel.err':>8}  check"]
-    for k, p, m, err, ok in rows:
-        rule = "exact" if k in EXACT else f"<= {100 * tol:g}%"
-        lines.append(f"{k:12} {p:14,d} {m:14,d} {100 * err:7.2f}%  {'ok' if ok else 'MISS'} ({rule})")
-    pk, where, alive = ml.peak_estimate(cfg)
-    err = abs(meas["peak"] - pk) / max(pk, 1)
-    lines.append(f"{'peak':12} {pk:14,d} {meas['peak']:14,d} {100 * err:7.2f}%  estimate, not checked "
-                 f"(measured in: {meas['peak_phase']}; predicted at {where}: {alive})")
+    for k, p, m, err, ok, rule in rows:
+        note = " (host memory, not in the peak)" if k == "rng_states" else ""
+        lines.append(f"{k:12} {p:14,d} {m:14,d} {100 * err:7.2f}%  {'ok' if ok else 'MISS'} ({rule}){note}")
+    _, where, alive = ml.peak_estimate(cfg)
+    lines.append(f"  peak measured in: {meas['peak_phase']}; predicted at: {where}; alive there: {alive}")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the chapter's table
 
 def _measured_components(m):
-    return dict(parameters=m["parameters"] + m["buffers"], gradients=m["gradients"],
+    return dict(parameters=m["parameters"], buffers=m["buffers"], gradients=m["gradients"],
                 optimizer=m["master"] + m["optimizer"], activations=m["activations"])
 
 
-def technique_rows(cfg, device, opts, measure_runs=True):
+def fp8_on_cpu_row(cfg, device, checks):
+    """On CPU, FP8 runs torch._scaled_mm emulated (slow on some CPUs): measure and check the
+    FP8 config at FP8_CPU_SHAPE, and give the row for cfg's shape from the formulas."""
+    tiny = replace(cfg, **FP8_CPU_SHAPE)
+    rows, ok = compare(tiny, run_config(tiny, device))
+    checks.append((f"FP8 (native) at L={tiny.n_layer} h={tiny.n_embd} s={tiny.block_size} b={tiny.batch_size}", ok))
+    return ml.components(cfg), f"formula; measured {'exact' if ok else 'MISSING'} at the tiny shape above"
+
+
+def technique_rows(cfg, device, opts, measure_runs=True, checks=None):
     """[(technique, {component: bytes per GPU}, how)] for cfg's shape. how: "measured" when
     this project runs the technique (one ledger run on this machine), else "formula".
 
     Gradient accumulation: K = cfg.accum when > 1 (else 4); the row is the same batch of
     b sequences taken in K micro-batches of ceil(b/K), so only the activations shrink.
     FP8: native is measured (whatever cfg.fp8_backend says) where its matmul runs on the
-    device, else a formula row; Transformer Engine is a formula row: native's activations
-    (an approximation: TE's saved tensors are its own) plus its cached FP8 weight copies.
-    The parallel techniques are memory_parallel.parallel_rows, all formulas.
+    device (on CPU at a tiny shape: fp8_on_cpu_row), else a formula row; Transformer Engine
+    is a formula row: native's activations (an approximation: TE's saved tensors are its
+    own) plus its cached FP8 weight copies. The parallel techniques are memory_parallel's
+    parallel_rows, all formulas. `checks` collects (what, ok) of the extra FP8 measurement.
     """
-    runs = {}
+    runs, checks = {}, checks if checks is not None else []
 
     def row(name, c, runnable=True):
         if measure_runs and runnable:
             c = replace(c, fp8_backend="native")
+            if precision.recipe(c).fp8 is not None and device.type == "cpu":
+                return (name, *fp8_on_cpu_row(c, device, checks))
             if repr(c) not in runs:  # a row the table already has is measured once
                 runs[repr(c)] = _measured_components(run_config(c, device))
             return (name, runs[repr(c)], "measured")
@@ -133,64 +155,18 @@ def technique_rows(cfg, device, opts, measure_runs=True):
     return rows
 
 
-def format_table(rows):
-    keys = ("parameters", "gradients", "optimizer", "activations")
-    lines = [f"{'technique':34} {'parameters':>12} {'gradients':>12} {'optim+master':>12} {'activations':>12} "
-             f"{'total':>12}  how"]
-    for name, c, how in rows:
-        lines.append(f"{name:34} " + " ".join(f"{fmt_bytes(c[k]):>12}" for k in keys)
-                     + f" {fmt_bytes(sum(c[k] for k in keys)):>12}  {how}")
-    return "\n".join(lines)
-
-
-def format_what_if(rows, gpu_gib):
-    lines = [f"what-if (bf16 + AdamW, manual attention, CUDA dtypes; largest micro-batch on a {gpu_gib} GiB GPU):",
-             f"{'shape':14} {'params':>9} {'ckpt':>9} {'states':>9} {'per-GPU states':>15} "
-             f"{'activations b=1':>16} {'max b':>6}"]
-    for name, P, ckpt, zero, static, act, b in rows:
-        lines.append(f"{name:14} {P / 1e9:8.2f}B {ckpt:>9} {zero:>9} {fmt_bytes(static):>15} "
-                     f"{fmt_bytes(act):>16} {b:6d}")
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------- the picture
-
-COLORS = dict(parameters="#4e79a7", gradients="#f28e2b", optimizer="#e15759", activations="#59a14f")
-
-
-def svg(rows, title):
-    """Stacked horizontal bars, one per technique, hand-written SVG."""
-    keys = ("parameters", "gradients", "optimizer", "activations")
-    total = lambda c: sum(c[k] for k in keys)
-    top = max(total(c) for _, c, _ in rows) or 1
-    W, left, bar, gap, head = 900, 260, 18, 8, 50
-    H = head + len(rows) * (bar + gap) + 40
-    scale = (W - left - 120) / top
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
-           f'<text x="10" y="20" font-size="14" font-weight="bold">{_esc(title)}</text>']
-    x = 10
-    for k in keys:
-        out.append(f'<rect x="{x}" y="30" width="12" height="12" fill="{COLORS[k]}"/>'
-                   f'<text x="{x + 16}" y="40">{k}</text>')
-        x += 120
-    for i, (name, c, how) in enumerate(rows):
-        y = head + i * (bar + gap)
-        out.append(f'<text x="{left - 6}" y="{y + 13}" text-anchor="end">{_esc(name)}'
-                   f'{"" if how == "measured" else " *"}</text>')
-        x = left
-        for k in keys:
-            w = c[k] * scale
-            out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar}" fill="{COLORS[k]}">'
-                       f'<title>{k}: {fmt_bytes(c[k])}</title></rect>')
-            x += w
-        out.append(f'<text x="{x + 4:.1f}" y="{y + 13}">{fmt_bytes(total(c))}</text>')
-    out.append(f'<text x="10" y="{H - 12}">* computed from formulas (not run here); the rest measured. '
-               f'Bytes per GPU.</text></svg>')
-    return "\n".join(out) + "\n"
-
-
-def _esc(text):
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+def what_if_text(opts):
+    """The what-if and the published figures: formulas only, seconds."""
+    out = [report.format_what_if(mp.what_if(opts.gpu_gib, opts.ranks), opts.gpu_gib)]
+    ok = True
+    for name in mp.BIG_SHAPES:
+        big = mp.big_config(name)
+        n, m = ml.param_count(big)[0], mp.meta_param_count(big)
+        out.append(f"  {name}: formula {n:,} parameters, model.GPT on the meta device {m:,}: "
+                   f"{'same' if n == m else 'DIFFERENT'}")
+        ok = ok and n == m
+    out += ["", report.format_papers(memory_papers.korthikanti_rows(opts.tp), memory_papers.zero_rows())]
+    return "\n".join(out), ok
 
 
 # ---------------------------------------------------------------- main
@@ -202,19 +178,24 @@ def main(argv):
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip() + "\n\n" + usage("tools/ledger.py", LedgerOptions))
         return 0
+    started = time.perf_counter()
     try:
         cfg, opts = parse_args(argv, LedgerOptions)
+        if opts.what_if_only:
+            text, ok = what_if_text(opts)
+            print(text)
+            return 0 if ok else 1
         fp8_settings = precision.recipe(cfg).fp8
         if fp8_settings is not None and fp8_settings.backend == "te":
             raise UsageError("the ledger measures fp8_backend=native only (Transformer Engine's cached FP8 "
                              "weights are a formula row of its table); use --fp8_backend=native")
         device = train.pick_device(cfg)
         cfg = replace(cfg, device=device.type)
-        meas = run_config(cfg, device)
-        table = technique_rows(cfg, device, opts, measure_runs=opts.table == "measure")
+        meas, checks = run_config(cfg, device), []
+        table = technique_rows(cfg, device, opts, measure_runs=opts.table == "measure", checks=checks)
         path = Path(cfg.out_dir) / "memory_ledger.svg"
-        picture = svg(table, f"memory per GPU by technique: L={cfg.n_layer} h={cfg.n_embd} "
-                             f"s={cfg.block_size} b={cfg.batch_size}")
+        picture = report.svg(table, f"memory per GPU by technique: L={cfg.n_layer} h={cfg.n_embd} "
+                                    f"s={cfg.block_size} b={cfg.batch_size}")
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda fh: fh.write(picture.encode()))
     except (UsageError, ValueError) as e:
@@ -225,26 +206,24 @@ def main(argv):
         return 2
     rows, ok = compare(cfg, meas)
     print(format_comparison(cfg, rows, meas))
-    print()
-    print("activations, term by term (bytes after forward):")
+    if precision.recipe(cfg).fp8 is not None and device.type == "cpu":
+        print("  (FP8 on CPU runs torch's emulated _scaled_mm: seconds here, minutes on some CPUs)")
+    print("\nactivations, term by term (bytes after forward):")
     for name, v in ml.activation_terms(cfg):
         print(f"  {name:48} {v:14,d}")
-    print()
-    print(f"four components x techniques (per GPU, this config, precision {precision.recipe(cfg).name} "
+    print(f"\nfour components x techniques (per GPU, this config, precision {precision.recipe(cfg).name} "
           f"unless named):")
-    print(format_table(table))
-    print()
-    print(format_what_if(mp.what_if(opts.gpu_gib, opts.ranks), opts.gpu_gib))
-    for name in mp.BIG_SHAPES:
-        big = mp.big_config(name)
-        n, m = ml.param_count(big)[0], mp.meta_param_count(big)
-        print(f"  {name}: formula {n:,} parameters, model.GPT on the meta device {m:,}: "
-              f"{'same' if n == m else 'DIFFERENT'}")
-        ok = ok and n == m
-    print(f"\nwrote {path}")
-    if not ok:
-        print("ledger: some component missed its tolerance", file=sys.stderr)
-    return 0 if ok else 1
+    for what, fine in checks:
+        print(f"  {what}: every component {'exact' if fine else 'NOT exact'} (FP8 on CPU is measured at a tiny "
+              f"shape: torch's emulated _scaled_mm is slow on some CPUs)")
+        ok = ok and fine
+    print(report.format_table(table))
+    text, same = what_if_text(opts)
+    print("\n" + text)
+    print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")
+    if not (ok and same):
+        print("ledger: some check missed", file=sys.stderr)
+    return 0 if ok and same else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,78 @@
+"""The published figures beside ours: Korthikanti et al. 2022 and the ZeRO paper, reproduced.
+
+Chapter section 4 (the whole picture, tied to the literature the chapter builds on).
+Read memory_ledger.py first (our terms), then memory_parallel.py (TP, ZeRO); this file
+sets our formulas beside the sources' own, on the sources' own shapes, and says where
+and why they differ. `make ledger` prints the table; `make ledger ARGS=--what_if_only`
+prints it (and the what-if) without building or measuring anything.
+
+The sources' figures are computed from the sources' formulas, never typed in:
+  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
+    eq. 1, activations per layer, 16-bit, 1-byte dropout masks: sbh(34 + 5as/h); Table 2,
+    the same with tensor parallelism t, sequence parallelism and recomputation.
+  Rajbhandari et al. 2020 (ZeRO), sec. 3.1 and Table 1: mixed-precision Adam keeps
+    2 + 2 + K bytes per parameter, K = 12; Table 1 prints a 7.5B model over N_d = 64 GPUs.
+"""
+from dataclasses import replace
+
+from config import Config
+from memory_ledger import activation_bytes, block_activation_terms, bytes_per_param, dims, head_activation_terms
+from memory_parallel import big_config, korthikanti_layer_bytes, tp_block_bytes, zero_components
+
+
+def layernorm_stats(cfg, t=1):
+    """The bytes our block keeps that Korthikanti's terms leave out: both LayerNorms' mean and
+    rstd (FP32 on CUDA: 2 x 2 x b*s x 4 = 16bs per layer), replicated under TP, / t under SP."""
+    return sum(v // t for name, v in block_activation_terms(cfg) if name.endswith("mean+rstd"))
+
+
+def korthikanti_rows(t=8):
+    """[(row, the paper's formula, paper bytes, ours, explained difference, why)] per layer,
+    GPT-3 175B (s=2048, b=1, h=12288, a=96), CUDA BF16, manual attention."""
+    gpt3 = big_config("175B (GPT-3)", precision="bf16", attn="manual", dropout=0.1)
+    _, h, a, s, b, _ = dims(gpt3)
+    sbh, core = s * b * h, 5 * a * s * s * b
+    stats = layernorm_stats(gpt3)
+    why = "ours keeps the LayerNorms' FP32 mean+rstd (16bs), the paper drops them"
+    ours = lambda cfg: sum(v for _, v in block_activation_terms(cfg, cfg.ckpt))
+    no_drop = replace(gpt3, dropout=0.0)
+    # eq. 1 less its dropout terms: the a*s^2 mask (1 byte) and output (2 bytes), two sbh masks
+    paper_no_drop = korthikanti_layer_bytes(s, b, h, a) - 3 * a * s * s * b - 2 * sbh
+    sel = replace(gpt3, ckpt="selective")
+    return [
+        ("GPT-3 175B, eq. 1 (with dropout)", "sbh(34 + 5as/h)", korthikanti_layer_bytes(s, b, h, a), ours(gpt3),
+         stats, why),
+        ("GPT-3 175B, eq. 1 less its dropout terms", "sbh(32 + 2as/h)", paper_no_drop, ours(no_drop),
+         layernorm_stats(no_drop), why),
+        (f"Table 2: TP t={t}", "sbh(10 + 24/t + 5as/(ht))", 10 * sbh + 24 * sbh // t + core // t,
+         tp_block_bytes(gpt3, t, sp=False), stats, why + " (replicated under TP)"),
+        (f"Table 2: TP t={t} + SP", "sbh(34/t + 5as/(ht))", 34 * sbh // t + core // t, tp_block_bytes(gpt3, t, sp=True),
+         layernorm_stats(gpt3, t), why + " (/ t under SP)"),
+        (f"Table 2: TP t={t} + selective", "sbh(10 + 24/t)", 10 * sbh + 24 * sbh // t, tp_block_bytes(sel, t, sp=False),
+         stats, why + " (replicated under TP)"),
+        (f"Table 2: TP t={t} + SP + selective", "sbh(34/t)", 34 * sbh // t, tp_block_bytes(sel, t, sp=True),
+         layernorm_stats(gpt3, t), why + " (/ t under SP)"),
+        ("Table 2: full recomputation", "2sbh", korthikanti_layer_bytes(s, b, h, a, "full"), kept_per_layer(gpt3), 0,
+         "the same: each layer keeps its 16-bit input"),
+    ]
+
+
+def kept_per_layer(cfg):
+    """Bytes full recompute keeps per layer: all activations less the head's, over L."""
+    full = replace(cfg, ckpt="full")
+    return (activation_bytes(full) - sum(v for _, v in head_activation_terms(full))) // full.n_layer
+
+
+def zero_rows(psi=7.5e9, n=64):
+    """ZeRO Table 1's row, Psi parameters over N_d GPUs, 1 GB = 1e9 bytes: baseline, P_os,
+    P_os+g, P_os+g+p; the paper's (2+2+K)Psi terms with K = 12 against our bytes_per_param."""
+    K = 12
+    paper = [(2 + 2 + K) * psi, 2 * psi + 2 * psi + K * psi / n, 2 * psi + (2 + K) * psi / n, (2 + 2 + K) * psi / n]
+    p, g, m, o = bytes_per_param(Config(precision="bf16"))
+    ours = dict(parameters=p * psi, buffers=0, gradients=g * psi, optimizer=(m + o) * psi)
+    rows = [("ZeRO sec. 3.1: bytes per parameter", "2 + 2 + K", 2 + 2 + K, p + g + m + o)]
+    for stage, name in enumerate(("baseline", "P_os (ZeRO-1)", "P_os+g (ZeRO-2)", "P_os+g+p (ZeRO-3)")):
+        c = zero_components(ours, n, stage)
+        rows.append((f"ZeRO Table 1: {name}", "GB per GPU", paper[stage] / 1e9,
+                     (c["parameters"] + c["gradients"] + c["optimizer"]) / 1e9))
+    return rows

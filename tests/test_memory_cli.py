@@ -1,0 +1,94 @@
+"""`make ledger` (tools/ledger.py): the report, the what-if alone, the exit status, bad input."""
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+import memory_ledger as ml
+import train
+from conftest import ROOT
+from tools import ledger as tool
+from tools import ledger_report
+
+TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--seed=3"]
+
+
+def test_cli_prints_table_and_writes_svg(tmp_path, capsys):
+    rc = tool.main(TINY + ["--precision=bf16", "--ckpt=full", f"--out_dir={tmp_path}", "--ranks=4", "--pp=2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for name in ("FP32 baseline", "BF16 mixed precision", "ZeRO-3 over 4", "tensor parallel", "CPU offload",
+                 "selective checkpointing", "pipeline p=2, first stage", "pipeline p=2, last stage", "GPT-2 XL", "175B",
+                 "published figure vs ours", "Table 2: TP t=8 + SP + selective", "ZeRO Table 1: P_os+g+p"):
+        assert name in out, name
+    assert "buffers" in out.splitlines()[3] and "rng_states" in out and "UNEXPLAINED" not in out
+    assert "measured" in out and "formula" in out
+    root = ET.parse(tmp_path / "memory_ledger.svg").getroot()
+    rects = [r for r in root.iter("{http://www.w3.org/2000/svg}rect")]
+    n_rows = sum(1 for line in out.splitlines() if line.endswith(("measured", "formula")) or "; measured" in line)
+    keys = len(ledger_report.KEYS)
+    assert len(rects) == keys + keys * n_rows  # legend + five stacked components (buffers their own) per technique
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_fp8_row_on_cpu_is_checked_at_a_tiny_shape(tmp_path, capsys):
+    # on CPU the FP8 row is measured (exact) at FP8_CPU_SHAPE and shown as the formula at this shape
+    assert tool.main(TINY + ["--precision=bf16", f"--out_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    shape = tool.FP8_CPU_SHAPE
+    assert f"FP8 (native) at L={shape['n_layer']} h={shape['n_embd']}" in out and "every component exact" in out
+    assert next(line for line in out.splitlines() if line.startswith("FP8 (native) ")).endswith(
+        "formula; measured exact at the tiny shape above")
+
+
+def test_what_if_only_builds_nothing(monkeypatch, capsys):
+    def refuse(*args, **kw):
+        raise AssertionError("--what_if_only must not build a model")
+    monkeypatch.setattr(train, "build", refuse)
+    assert tool.main(["--what_if_only", "--gpu_gib=40"]) == 0
+    out = capsys.readouterr().out
+    assert "a 40 GiB GPU" in out and "published figure vs ours" in out and "component" not in out
+    assert "dropout 0" in out  # the what-if states its assumptions
+
+
+def test_help_says_how_to_print_the_what_if_alone(capsys):
+    assert tool.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--what_if_only" in out and "make ledger ARGS=--what_if_only" in out
+
+
+@pytest.mark.parametrize("target", ["activation_terms", "peak_walk"])
+def test_cli_exits_1_when_a_check_misses(tmp_path, monkeypatch, capsys, target):
+    real = getattr(ml, target)
+    if target == "activation_terms":  # one byte off is a miss on CPU
+        monkeypatch.setattr(ml, target, lambda c: real(c) + [("one byte", 1)])
+    else:  # a peak 3% high misses the 2% check
+        def high(cfg, shard=1):
+            w = real(cfg, shard)
+            w.peak = int(w.peak * 1.03)
+            return w
+        monkeypatch.setattr(ml, target, high)
+    assert tool.main(TINY + ["--precision=fp32", f"--out_dir={tmp_path}", "--table=formula"]) == 1
+    assert "MISS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,needle", [(["--n_layer=-1"], "n_layer"), (["--n_embd=32", "--n_head=3"], "divide"),
+                                         (["--batch_size=0"], "batch_size"), (["--ranks=0"], "ranks"),
+                                         (["--tp=x"], "integer"), (["--precision=fp8", "--fp8_backend=te"], "native"),
+                                         (["--what_if_only=maybe"], "what_if_only"),
+                                         (["--precision=bf16", "--fp8_amax_history=0"], "fp8_amax_history")])
+def test_bad_config_exits_2(argv, needle):
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "ledger.py"), *argv], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error:") and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.stdout == ""
+
+
+def test_fp8_row_ignores_te_backend(tmp_path, capsys):
+    # --fp8_backend=te with bf16: the table's FP8 row is measured with the native backend
+    rc = tool.main(TINY + ["--precision=bf16", "--fp8_backend=te", "--accum=2", f"--out_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "FP8 (native)" in out and "FP8 (Transformer Engine)" in out and "K=2 (micro-b 1)" in out
