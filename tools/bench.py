@@ -57,7 +57,7 @@ class AutocastReference:
     def __init__(self, device_type):
         self.device_type = device_type
 
-    def forward_context(self):
+    def forward_context(self, micro_step=None):
         return torch.autocast(self.device_type, dtype=torch.bfloat16)
 
 
