@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import checkpoint
-from fp8_gemm import E4M3, E5M2, column_major, fp8_matmul_error, fp8_max, fp8_values, scaled_mm  # noqa: F401
+from fp8_gemm import E4M3, E5M2, column_major, dequantize, fp8_matmul_error, fp8_max, scaled_mm  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,6 @@ def quantize(x, scale, dtype, saturate=True):
     if saturate:
         scaled.clamp_(-fp8_max(dtype), fp8_max(dtype))
     return scaled.to(dtype)
-
-
-def dequantize(q, scale, dtype):
-    return (fp8_values(q, torch.float32) / scale).to(dtype)
 
 
 # ---------------------------------------------------------------- which FP8 weight a forward uses
@@ -164,7 +160,7 @@ class _FP8LinearFunction(torch.autograd.Function):
                 else:
                     grad_w = dequantize(g_fp8, g_scale, dtype).t() @ dequantize(x_fp8, x_scale, dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g.float().sum(0).to(dtype)
+            grad_b = g.sum(0, dtype=torch.float32).to(dtype)  # summed in FP32, without an FP32 copy of g
         return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_b, None, None, None
 
 
