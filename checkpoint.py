@@ -138,6 +138,10 @@ class Recompute(torch.autograd.Function):
 def recompute(fn, *args, params=(), precision_contexts=True):
     """Call fn(*args) so that its activations are recomputed in backward instead of kept.
     precision_contexts=False: fn holds no layer that needs them (the attention core)."""
+    if not torch.is_grad_enabled():
+        # evaluation: no graph, no backward, nothing to recompute (and a precision's forward
+        # context would wait for a re-run that never comes: TE's recompute flags queue one per unit)
+        return fn(*args)
     make = _make_contexts if precision_contexts else None
     contexts = make() if make else (nullcontext(), nullcontext())
     return Recompute.apply(fn, len(args), contexts, *args, *tuple(params))

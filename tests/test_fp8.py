@@ -648,6 +648,10 @@ def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fak
     assert [e for e in events if e[0] == "phase"].count(("phase", True)) == 2 * units
     rerun_starts = [i for i, e in enumerate(events) if e == ("phase", True)]
     assert all(events[i + 1] == ("autocast",) for i in rerun_starts)
+    events.clear()
+    with torch.no_grad(), parts.recipe.forward_context():  # evaluation: no backward, so no recompute flags
+        model(*batches.next())
+    assert not [e for e in events if e[0] == "phase"] and len([e for e in events if e[0] == "linear"]) == n
 
 
 def test_te_selective_recompute_needs_no_te_context(tmp_path, fake_te):
