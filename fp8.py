@@ -54,9 +54,9 @@ def amax_of(t):
 
 
 def quantize(x, scale, dtype, saturate=True):
-    """x * scale rounded to FP8 `dtype`. saturate: clamp at the FP8 max first (a cast gives NaN
-    past it, and a delayed scale can be too large for this step's tensor); a current scale maps
-    the tensor's own amax onto the max, so it needs no clamp: one FP32 pass fewer."""
+    """x * scale rounded to FP8 `dtype`. saturate: clamp at the FP8 max first (a delayed scale can be
+    too large for this step's tensor, and past the max a cast gives inf for E5M2, NaN for E4M3 in
+    older torch); a current scale maps the tensor's own amax onto the max: no clamp, one pass fewer."""
     # a 1-element scale (not 0-d) makes the product FP32 in one pass: a 0-d FP32 tensor would
     # not promote a BF16 x, and the product would round to BF16 before its FP8 rounding
     scaled = x * scale.reshape(1)
@@ -112,9 +112,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         x_fp8 = quantize(x2, x_scale, E4M3, module.saturate)
         out_dtype = weight.dtype
         # the bias joins the GEMM's output before its one rounding to BF16, as TE fuses it into
-        # cuBLASLt's epilogue (module/linear.py); rounding first and adding after would change up
-        # to a quarter of the outputs by an ulp (tests/test_fp8.py). CUDA refuses a bias with an
-        # FP32 output (fp8_gemm.py), and there adding it after costs one FP32 rounding: we do that
+        # cuBLASLt's epilogue (module/linear.py); rounding first and adding after would move about
+        # 30% of the outputs by an ulp (tests/test_fp8.py). CUDA refuses a bias with an FP32
+        # output (fp8_gemm.py), and there adding it after costs one FP32 rounding: we do that
         fused = bias if out_dtype != torch.float32 else None
         # _scaled_mm wants a row-major and b column-major: W^T of a row-major W is just that
         y = scaled_mm(x_fp8, w8.data.t(), x_scale.reciprocal(), w8.scale.reciprocal(), fused, out_dtype,

@@ -185,9 +185,9 @@ def test_fp8_bias_joins_the_sum_before_its_one_rounding():
     exact = exact_forward(x, layer.weight, x_scale, w_scale)
     fused = (exact + layer.bias.double()).float().to(torch.bfloat16)
     after = (exact.float().to(torch.bfloat16) + layer.bias).to(torch.bfloat16)
-    assert (fused != after).float().mean() > 0.05  # the two placements are distinguishable here
-    assert (y == fused).float().mean() >= 0.99
-    assert (y == after).float().mean() < 0.95
+    assert (fused != after).float().mean() > 0.15  # measured 0.29-0.31: the placements differ here
+    assert (y == fused).float().mean() >= 0.99  # measured 1.0
+    assert (y == after).float().mean() < 0.85  # measured 0.69-0.71
 
 
 def test_fp8_fp32_output_adds_the_bias_after_the_gemm(monkeypatch):
