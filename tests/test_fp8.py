@@ -152,7 +152,7 @@ def test_fp8_forward_matches_bf16_reference(recipe):
     want = E4M3_MAX / (2 * amax_x if recipe == "delayed" else amax_x)
     assert x_scale == want.float()  # the history's scale, not this tensor's
     ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
-    assert 0 < rel_err(y, ref) < 0.075  # measured 0.037 (current) and 0.044 (delayed)
+    assert 0 < rel_err(y, ref) < 0.075  # measured 0.037-0.038, both recipes (the delayed scale is 2^-1 x)
     # against the same product of the dequantized operands, only BF16 output rounding remains
     xq = fp8.dequantize(fp8.quantize(x.detach(), x_scale, E4M3), x_scale, torch.float32)
     wq = fp8.dequantize(fp8.quantize(layer.weight.detach(), w_scale, E4M3), w_scale, torch.float32)
