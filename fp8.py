@@ -151,7 +151,8 @@ class _FP8LinearFunction(torch.autograd.Function):
                 else:  # the kept copy's column-major twin, made once per step as TE keeps W^T
                     if ctx.w8.column_major is None:
                         ctx.w8.column_major = column_major(ctx.w8.data)
-                    w_cm = ctx.w8.column_major
+                    # the graph outlives backward (till the step's last loss goes): let go of the copy
+                    w_cm, ctx.w8 = ctx.w8.column_major, None
                 grad_x = scaled_mm(g_fp8, w_cm, g_scale.reciprocal(), w_scale.reciprocal(), None, dtype)
             if need_w:
                 if g.shape[0] % 16 == 0:  # here the token count is the inner dimension

@@ -9,6 +9,7 @@ import copy
 import subprocess
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -434,9 +435,15 @@ def test_fp8_weights_quantized_once_per_optimizer_step(tmp_path, monkeypatch, gr
     ref_model, ref_parts = train.build(cfg, torch.device("cpu"))
     ref_parts.recipe = FreshEveryForward(ref_parts.recipe)
     seen, weights = count_weight_quantizations(monkeypatch, model)
-    batches, kept = batches_of(cfg), []
-    observe = lambda phase: kept.append(all(m.weight_copy is not None for m in parts.fp8_layers)) \
-        if phase == "gradients" else None  # noqa: E731
+    batches, kept, copies, alive_in_adamw = batches_of(cfg), [], [], []
+
+    def observe(phase):
+        if phase == "gradients":
+            kept.append(all(m.weight_copy is not None for m in parts.fp8_layers))
+        if phase == "step":
+            copies[:] = [weakref.ref(m.weight_copy) for m in parts.fp8_layers]
+    adamw_step = parts.optimizer.adamw.step
+    parts.optimizer.adamw.step = lambda: alive_in_adamw.append(sum(c() is not None for c in copies)) or adamw_step()
     for step in range(3):
         micro = [batches.next() for _ in range(3)]
         versions = [m.weight._version for m in parts.fp8_layers]
@@ -448,6 +455,7 @@ def test_fp8_weights_quantized_once_per_optimizer_step(tmp_path, monkeypatch, gr
         ref_loss, _, _ = accumulate.accumulation_step(ref_model, ref_parts, micro)
         assert loss == ref_loss  # the kept bytes are the bytes a fresh quantization gives
     assert kept == [True] * 9  # alive from micro-step 1 to the optimizer step
+    assert alive_in_adamw == [0] * 3  # and gone before AdamW runs: nothing else holds them
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q)
 
