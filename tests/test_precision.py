@@ -13,7 +13,7 @@ import data
 import precision
 import train
 from config import Config, UsageError, parse_args
-from conftest import ROOT
+from conftest import ROOT, merged
 from fp8 import E4M3, E5M2
 from precision import LossScaler, MasterWeightOptimizer
 from tools import demos
@@ -24,7 +24,7 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
 
 
 def tiny_cfg(tmp_path, *extra):
-    return parse_args(TINY + [f"--out_dir={tmp_path}", *extra])
+    return parse_args(merged(*TINY, f"--out_dir={tmp_path}", *extra))
 
 
 def run_losses(tmp_path, *extra):
