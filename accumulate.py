@@ -30,11 +30,11 @@ IGNORE_INDEX = -100  # targets equal to this carry no loss (padding); F.cross_en
 @dataclass
 class StepParts:
     """Everything an optimizer step uses besides the model, built once by train.build."""
-    recipe: precision.Recipe  # the forward context
+    recipe: precision.Recipe  # the forward context (FP8: which weight copy, TE's autocast)
     scaler: precision.LossScaler
     optimizer: precision.MasterWeightOptimizer
     grad_buffers: list = None  # FP32 sums of the micro-steps' gradients, or None (sum in .grad)
-    fp8_layers: list = ()  # fp8.FP8Linear layers, whose amax is folded once per optimizer step
+    fp8_layers: list = ()  # fp8.FP8Linear layers: amax folded, FP8 weight copies released, once per step
 
 
 def effective_batch(micro_batch, world_size, accum, block_size):
@@ -108,7 +108,9 @@ def accumulation_step(model, parts, micro_batches, loss_norm="mean", use_no_sync
         # backward will all-reduce, so a forward outside it would arm the all-reduce hooks
         with model.no_sync() if skip_sync else nullcontext():
             observe("forward")
-            with parts.recipe.forward_context():
+            # the micro-step's index tells FP8 layers to quantize each weight once per optimizer
+            # step (micro-step 0) and reuse that copy for the others (precision.Recipe.forward_context)
+            with parts.recipe.forward_context(micro_step=i):
                 loss = model(x, y)[1]  # the logits are not kept: nothing in backward needs them
             observe("backward")
             # a micro-batch with no valid tokens has a NaN mean loss but a zero gradient
@@ -136,6 +138,7 @@ def optimizer_step(parts, ddp=False):
         grads = parts.grad_buffers
     else:
         grads = [p.grad for p in parts.optimizer.model_params]
+    fp8.release_weight_copies(parts.fp8_layers)  # the weights are about to change
     stepped, grad_norm = parts.optimizer.step(grads, parts.scaler.loss_scale)
     parts.scaler.update(found_inf=not stepped)
     # the FP8 amax history moves once per optimizer step, whatever recompute re-ran

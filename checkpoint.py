@@ -32,6 +32,7 @@ from model import run_blocks_in_order, run_directly
 from snapshot import rng_state, set_rng_state
 
 _recompute_depth = 0  # > 0 while a backward is re-running a forward
+_make_contexts = None  # set by `recompute_contexts`: what a precision needs around a recomputed forward
 
 
 def is_recomputing():
@@ -47,6 +48,21 @@ def _recomputing():
         yield
     finally:
         _recompute_depth -= 1
+
+
+@contextmanager
+def recompute_contexts(make):
+    """While open, every recompute unit calls make() once in its forward and gets two context
+    managers: one entered around its forward, one around its re-run in backward (as
+    torch.utils.checkpoint's context_fn). precision.Recipe.forward_context opens it, so this
+    file knows nothing of FP8: Transformer Engine's recompute flags and FP8 autocast
+    (fp8_te.recompute_contexts), or which FP8 weight copy the re-run uses (fp8.py)."""
+    global _make_contexts
+    previous, _make_contexts = _make_contexts, make
+    try:
+        yield
+    finally:
+        _make_contexts = previous
 
 
 def _autocast_state(device):
@@ -67,10 +83,11 @@ class Recompute(torch.autograd.Function):
     `params` are the parameters fn uses, passed as inputs so their gradients flow
     through this node's backward into the ordinary autograd graph (DDP's hooks and the
     FP32 gradient buffers see them as usual). Non-tensor args pass through untouched.
+    `contexts`: (around the forward, around the re-run), from `recompute_contexts`.
     """
 
     @staticmethod
-    def forward(ctx, fn, n_args, *args_and_params):
+    def forward(ctx, fn, n_args, contexts, *args_and_params):
         args = args_and_params[:n_args]
         ctx.fn, ctx.n_args = fn, n_args
         ctx.params = args_and_params[n_args:]  # leaves: kept by reference, not saved activations
@@ -81,7 +98,8 @@ class Recompute(torch.autograd.Function):
         ctx.rng = rng_state(ctx.device)  # so dropout draws the same masks when re-run
         ctx.autocast = _autocast_state(ctx.device)  # backward runs outside the caller's autocast
         ctx.save_for_backward(*tensors)  # the only activations this unit keeps
-        with torch.no_grad():
+        around_forward, ctx.around_rerun = contexts
+        with torch.no_grad(), around_forward:
             return fn(*args)
 
     @staticmethod
@@ -98,7 +116,7 @@ class Recompute(torch.autograd.Function):
         outer_rng = rng_state(ctx.device)
         set_rng_state(ctx.rng, ctx.device)
         try:
-            with torch.enable_grad(), _recomputing(), _autocast(ctx.autocast):
+            with torch.enable_grad(), _recomputing(), _autocast(ctx.autocast), ctx.around_rerun:
                 # fn gets non-leaf aliases of the leaves: module hooks (FlopCounterMode's
                 # module tracker, for one) look up their inputs' autograd node, which the
                 # engine refuses to do for a leaf inside autograd.grad
@@ -114,13 +132,25 @@ class Recompute(torch.autograd.Function):
                      if pairs and wrt else [None] * len(wrt))
         input_grads = [next(grads) if torch.is_tensor(x) and x.requires_grad else None for x in inputs]
         param_grads = [next(grads) if p.requires_grad else None for p in ctx.params]
-        return (None, None, *input_grads, *param_grads)
+        return (None, None, None, *input_grads, *param_grads)
 
 
-def recompute(fn, *args, params=()):
-    """Call fn(*args) so that its activations are recomputed in backward instead of kept."""
-    params = tuple(params)
-    return Recompute.apply(fn, len(args), *args, *params)
+def recompute(fn, *args, params=(), precision_contexts=True):
+    """Call fn(*args) so that its activations are recomputed in backward instead of kept.
+    precision_contexts=False: fn holds no layer that needs them (the attention core)."""
+    if not torch.is_grad_enabled():
+        # evaluation: no graph, no backward, nothing to recompute (and a precision's forward
+        # context would wait for a re-run that never comes: TE's recompute flags queue one per unit)
+        return fn(*args)
+    make = _make_contexts if precision_contexts else None
+    contexts = make() if make else (nullcontext(), nullcontext())
+    return Recompute.apply(fn, len(args), contexts, *args, *tuple(params))
+
+
+def recompute_core(fn, *args):
+    """The selective policy's unit: the attention core, which holds no Linear, so it needs no
+    precision context (with Transformer Engine: no TE module inside, nothing to re-enter)."""
+    return recompute(fn, *args, precision_contexts=False)
 
 
 # ---------------------------------------------------------------- policies
@@ -160,7 +190,7 @@ def apply_policy(model, policy, segment=0):
             raise ValueError("ckpt=selective recomputes the manual attention core; use attn=manual "
                              "(attn=sdpa already recomputes its core inside the kernel)")
         for block in model.h:
-            block.attn.core_runner = recompute  # the core has no parameters: q, k, v are its inputs
+            block.attn.core_runner = recompute_core  # the core has no parameters: q, k, v are its inputs
     return model
 
 

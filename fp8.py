@@ -2,14 +2,17 @@
 
 Chapter section 1, its last bullet ("FP8 training: forward in FP8 with per-tensor
 dynamic scaling, backward gradients in BF16"). Read first: `scale_from_amax` and
-`quantize`, then `_FP8LinearFunction` (the matmul), then `FP8Linear` (where the scales
-come from), then `fold_amax` (the once-per-step bookkeeping, the max over ranks included).
+`quantize`, then `_FP8LinearFunction` (its three GEMMs), then `FP8Linear` (where the
+scales and the FP8 weight come from), then `fold_amax` (the once-per-step bookkeeping,
+the max over ranks included). The GEMM itself, torch._scaled_mm on a GPU and its exact
+CPU stand-in, is fp8_gemm.py.
 
 PRECISION=fp8 keeps BF16 parameters, master weights and the whole BF16 workflow of
 precision.py; only the Linears' matmuls run in FP8. `precision.recipe()` decides that
 and builds these layers (FP8_BACKEND=native) or Transformer Engine's (te, fp8_te.py).
 """
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import checkpoint
+from fp8_gemm import E4M3, E5M2, column_major, dequantize, fp8_matmul_error, fp8_max, scaled_mm  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -28,103 +32,128 @@ class Settings:
     margin: int = 0  # scale = fp8_max / amax / 2**margin
     grad: str = "bf16"  # bf16: BF16 backward (the chapter) | e5m2: output gradients in E5M2 (TE's HYBRID)
 
-E4M3 = getattr(torch, "float8_e4m3fn", None)  # forward: 3 mantissa bits, max 448
-E5M2 = getattr(torch, "float8_e5m2", None)  # gradients (TE's HYBRID): 2 mantissa bits, max 57344
 
-
-def fp8_max(dtype):
-    return torch.finfo(dtype).max
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 def scale_from_amax(amax, max_value, margin=0, previous=None):
-    """Quantization scale that maps amax onto the FP8 max, as TE's DelayedScaling:
-    scale = (fp8_max / amax) / 2**margin. Where amax is 0 or not finite the scale
-    cannot be computed: keep `previous` (1 if none)."""
-    scale = (max_value / amax) / 2.0 ** margin
+    """The quantization scale that maps amax onto the FP8 max, by Transformer Engine's rule
+    (transformer_engine/common/recipe/delayed_scaling.cu, the amax-and-scale update kernel):
+    scale = (fp8_max * 2**-margin) / amax where amax is finite and > 0; else `previous` (1 if
+    none); a scale that overflows FP32 (a tiny amax) becomes FP32's largest value."""
+    scale = (max_value * 2.0 ** -margin) / amax
     keep = previous if previous is not None else torch.ones_like(scale)
-    return torch.where((amax > 0) & torch.isfinite(amax) & torch.isfinite(scale), scale, keep)
+    scale = torch.where((amax > 0) & torch.isfinite(amax), scale, keep)
+    return torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
 
 
-def quantize(x, scale, dtype):
-    """x * scale rounded to FP8 `dtype`, saturating at its max (a CUDA cast would give NaN
-    past it, and a delayed scale can be too large for this step's tensor)."""
-    m = fp8_max(dtype)
-    # one FP32 temporary; a copy even for FP32 x, which must not be scaled in place
-    return x.to(torch.float32, copy=True).mul_(scale).clamp_(-m, m).to(dtype).contiguous()
+def amax_of(t):
+    """max |t| as an FP32 0-d tensor, in one pass (aminmax: no |t| temporary)."""
+    low, high = torch.aminmax(t.detach())
+    return torch.maximum(-low, high).float()
 
 
-def dequantize(q, scale, dtype):
-    return (q.float() / scale).to(dtype)
+def quantize(x, scale, dtype, saturate=True):
+    """x * scale rounded to FP8 `dtype`. saturate: clamp at the FP8 max first (a delayed scale can be
+    too large for this step's tensor, and past the max a cast gives inf for E5M2, NaN for E4M3 in
+    older torch); a current scale maps the tensor's own amax onto the max: no clamp, one pass fewer."""
+    # a 1-element scale (not 0-d) makes the product FP32 in one pass: a 0-d FP32 tensor would
+    # not promote a BF16 x, and the product would round to BF16 before its FP8 rounding
+    scaled = x * scale.reshape(1)
+    if saturate:
+        scaled.clamp_(-fp8_max(dtype), fp8_max(dtype))
+    return scaled.to(dtype)
 
 
-def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
-    """a @ b for FP8 a (row-major, M x K) and b (column-major, K x N), times the
-    *dequantization* scales scale_a * scale_b (fp32 scalars), plus bias.
-    K and N must be multiples of 16. Works on CPU and sm89+ GPUs."""
-    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
-    return out[0] if isinstance(out, tuple) else out  # torch < 2.5 returned (out, amax)
+# ---------------------------------------------------------------- which FP8 weight a forward uses
+
+# Transformer Engine quantizes a weight once per optimizer step when its forward is told the
+# micro-step: te.Linear's is_first_microbatch (transformer_engine/pytorch/module/linear.py: None
+# caches nothing, True refreshes the cached FP8 weight, False reuses it). Both backends follow
+# the same three modes, set around each forward by precision.Recipe.forward_context:
+#   fresh    outside accumulation (evaluation, sampling): quantize W in every forward, keep nothing
+#   refresh  micro-step 1 of an optimizer step: quantize W and keep the FP8 copy
+#   reuse    micro-steps 2..K, and every recompute's re-run: the kept copy, unless W changed since
+WEIGHT_MODES = ("fresh", "refresh", "reuse")
+_weight_mode = "fresh"
+weight_mode = lambda: _weight_mode  # noqa: E731
 
 
-def fp8_matmul_error(device):
-    """None where torch._scaled_mm runs on `device`, else why not (older torch on CPU,
-    GPUs before sm89): one tiny E4M3 matmul tells."""
-    if E4M3 is None:
-        return f"torch {torch.__version__} has no float8 dtypes"
+@contextmanager
+def weight_copies(mode):
+    """Forwards inside use the FP8 weight as `mode` says (one of WEIGHT_MODES)."""
+    global _weight_mode
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"FP8 weight mode must be one of {'|'.join(WEIGHT_MODES)}, got {mode!r}")
+    previous, _weight_mode = _weight_mode, mode
     try:
-        a = torch.zeros(16, 16, device=device).to(E4M3)
-        one = torch.ones((), device=device)
-        scaled_mm(a, a.t(), one, one)
-    except (RuntimeError, NotImplementedError, TypeError) as e:
-        return f"torch._scaled_mm does not run on {device} with torch {torch.__version__} ({str(e).splitlines()[0][:80]})"
-    return None
+        yield
+    finally:
+        _weight_mode = previous
 
 
-def column_major(t):
-    """The same matrix laid out column-major (what _scaled_mm wants for its second operand)."""
-    return t.t().contiguous().t()
+@dataclass
+class WeightCopy:
+    """A weight in E4M3, kept from micro-step 1's forward to the optimizer step (state, like a parameter)."""
+    data: torch.Tensor  # (out, in) row-major E4M3: the forward GEMM's second operand is data.t()
+    scale: torch.Tensor  # the quantization scale it was made with (0-d FP32)
+    amax: torch.Tensor  # the weight's amax then
+    version: int  # weight._version then: every in-place change of the weight bumps it
+    column_major: torch.Tensor = None  # data again, column-major, for HYBRID's input-gradient GEMM
 
 
 class _FP8LinearFunction(torch.autograd.Function):
-    """y = x @ W^T + b with x and W quantized to E4M3. Backward in the parameter dtype
-    (BF16), or with the output gradient quantized to E5M2 (module.grad == "e5m2")."""
+    """y = x @ W^T + b with x and W in E4M3 (w8: the weight's FP8 copy). Backward in the parameter
+    dtype (BF16), or with the output gradient quantized to E5M2 (module.grad == "e5m2")."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, x_scale, w_scale, module):
+    def forward(ctx, x, weight, bias, x_scale, w8, module):
         x2 = x.reshape(-1, x.shape[-1])
-        x_fp8 = quantize(x2, x_scale, E4M3)
-        w_fp8 = quantize(weight, w_scale, E4M3)
+        x_fp8 = quantize(x2, x_scale, E4M3, module.saturate)
+        out_dtype = weight.dtype
+        # the bias joins the GEMM's output before its one rounding to BF16, as TE fuses it into
+        # cuBLASLt's epilogue (module/linear.py); rounding first and adding after would move about
+        # 30% of the outputs by an ulp (tests/test_fp8.py). CUDA refuses a bias with an FP32
+        # output (fp8_gemm.py), and there adding it after costs one FP32 rounding: we do that
+        fused = bias if out_dtype != torch.float32 else None
         # _scaled_mm wants a row-major and b column-major: W^T of a row-major W is just that
-        y = scaled_mm(x_fp8, w_fp8.t(), x_scale.reciprocal(), w_scale.reciprocal(), bias, weight.dtype)
-        # save the 1-byte FP8 input for backward (wgrad needs x), not the 2-byte BF16 one:
-        # so FP8 halves this layer's saved activation as well as speeding up its matmul.
-        # W is a parameter (kept anyway), not an activation: saving it costs nothing.
-        ctx.save_for_backward(x_fp8, x_scale, w_scale, weight)
+        y = scaled_mm(x_fp8, w8.data.t(), x_scale.reciprocal(), w8.scale.reciprocal(), fused, out_dtype,
+                      fast_accum=True)
+        if bias is not None and fused is None:
+            y = y + bias
+        # save the 1-byte FP8 input for backward (wgrad needs x), not the 2-byte BF16 one: FP8
+        # halves this layer's saved activation too. W is a parameter: saving it costs nothing.
+        ctx.save_for_backward(x_fp8, x_scale, w8.scale, weight)
+        # a kept FP8 weight is the layer's state, referenced here; a fresh one is not held till backward
+        ctx.w8 = w8 if module.grad == "e5m2" and module.weight_copy is w8 else None
         ctx.module, ctx.has_bias, ctx.x_shape = module, bias is not None, x.shape
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         x_fp8, x_scale, w_scale, weight = ctx.saved_tensors
-        dtype = weight.dtype
+        dtype, module = weight.dtype, ctx.module
         g = grad_out.reshape(-1, weight.shape[0]).contiguous()
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = grad_w = grad_b = None
-        if ctx.module.grad == "bf16":
-            # the chapter's recipe: FP8 forward, BF16 backward (dgrad with the BF16 weight,
-            # wgrad with the input dequantized from its saved FP8 bytes)
+        if module.grad == "bf16":  # the chapter's: dgrad with the BF16 weight, wgrad with the saved x
             if need_x:
                 grad_x = g @ weight
             if need_w:
                 grad_w = g.t() @ dequantize(x_fp8, x_scale, dtype)
         else:
-            # TE's HYBRID: the output gradient in E5M2 (more range, less precision), both
-            # backward GEMMs in FP8 where their shapes allow
-            g_scale = ctx.module.grad_scale(g)
-            g_fp8 = quantize(g, g_scale, E5M2)
+            # TE's HYBRID: the output gradient in E5M2, both GEMMs in FP8 (shapes allowing), exact accumulation
+            g_scale = module.grad_scale(g)
+            g_fp8 = quantize(g, g_scale, E5M2, module.saturate)
             if need_x:
-                w_fp8 = quantize(weight, w_scale, E4M3)  # the forward's bytes again: same W, same scale
-                grad_x = scaled_mm(g_fp8, column_major(w_fp8), g_scale.reciprocal(), w_scale.reciprocal(),
-                                   None, dtype)
+                if ctx.w8 is None:  # no kept copy: the forward's bytes again (same W, same scale)
+                    w_cm = column_major(quantize(weight, w_scale, E4M3, module.saturate))
+                else:  # the kept copy's column-major twin, made once per step as TE keeps W^T
+                    if ctx.w8.column_major is None:
+                        ctx.w8.column_major = column_major(ctx.w8.data)
+                    # the graph outlives backward (till the step's last loss goes): let go of the copy
+                    w_cm, ctx.w8 = ctx.w8.column_major, None
+                grad_x = scaled_mm(g_fp8, w_cm, g_scale.reciprocal(), w_scale.reciprocal(), None, dtype)
             if need_w:
                 if g.shape[0] % 16 == 0:  # here the token count is the inner dimension
                     grad_w = scaled_mm(g_fp8.t().contiguous(), column_major(x_fp8), g_scale.reciprocal(),
@@ -132,49 +161,48 @@ class _FP8LinearFunction(torch.autograd.Function):
                 else:
                     grad_w = dequantize(g_fp8, g_scale, dtype).t() @ dequantize(x_fp8, x_scale, dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g.float().sum(0).to(dtype)
-        if grad_x is not None:
-            grad_x = grad_x.view(ctx.x_shape)
-        return grad_x, grad_w, grad_b, None, None, None
+            grad_b = g.sum(0, dtype=torch.float32).to(dtype)  # summed in FP32, without an FP32 copy of g
+        return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_b, None, None, None
 
 
 class FP8Linear(nn.Module):
     """A Linear whose matmul runs in FP8 E4M3 with per-tensor scales (PRECISION=fp8, FP8_BACKEND=native).
 
     forward: x and W are each multiplied by a quantization scale, rounded to E4M3 and
-    multiplied by torch._scaled_mm with the reciprocal (dequantization) scales, output
+    multiplied by fp8_gemm.scaled_mm with the reciprocal (dequantization) scales, output
     and accumulation in BF16/FP32. The scale of a tensor is fp8_max / amax / 2**margin:
       recipe "current": amax of this very tensor (one extra reduction per tensor);
       recipe "delayed": the max of an amax history of the last `amax_history` optimizer
         steps (TE's DelayedScaling, amax_compute_algo="max"): the scale is fixed for the
         whole step. Until a first amax has been recorded, a tensor uses current scaling.
+    W is quantized once per optimizer step under accumulation (see WEIGHT_MODES) and
+    reused by micro-steps 2..K and by recomputes; in evaluation, in every forward.
     backward: BF16 (grad="bf16"), or the output gradient in E5M2 (grad="e5m2", TE's HYBRID).
 
-    Recompute (checkpoint.py): during a step the forward only folds this tensor's amax into
-    `step_amax` with a max, and only outside a recomputation (checkpoint.is_recomputing());
-    `fold_amax()`, called once per optimizer step (fp8.fold_amax, from accumulate.py), pushes
-    it into the history and recomputes the scales. So a recomputed forward uses the same
-    scales as the original one (bit-identical output) and the history moves once per step.
+    Recompute (checkpoint.py): a forward only max-folds its amax into `step_amax`, and not
+    when recomputing; `fold_amax()`, once per optimizer step, pushes it into the history and
+    recomputes the scales: a re-run uses the forward's scales (same bits), the history moves once.
 
     What it stores (for memory_ledger.py), per layer of shape in -> out, history length H:
-      parameters: weight (out, in) and bias (out,), in the model's dtype (BF16), with the
-        FP32 master copy and AdamW state held by MasterWeightOptimizer as for any parameter;
-      buffers, FP32 (kept FP32 by model.to(bf16)), in the state_dict: amax_history (H, 3)
-        and scale (3,), columns/entries [input, weight, output gradient]; not in the
-        state_dict: step_amax (3,) and fp8_max (3,);
+      parameters: weight (out, in) and bias (out,) in BF16 (FP32 master and AdamW state in
+        MasterWeightOptimizer); FP32 buffers (kept FP32 by model.to(bf16)): amax_history (H, 3)
+        and scale (3,) in the state_dict, columns [input, weight, output gradient], and
+        step_amax (3,) and fp8_max (3,) not in it;
+      the kept FP8 weight (accumulation_step only): E4M3 (out, in), out*in bytes, from the
+        layer's forward in micro-step 1 until accumulate.optimizer_step releases it before
+        AdamW; with grad="e5m2" also its column-major twin (out*in bytes more) from the
+        layer's first backward; none outside accumulation (evaluation, sampling);
       saved for backward per call (M = tokens in the call, B*T): x_fp8 (M, in)
         float8_e4m3fn, 1 byte per element where nn.Linear saves x at 2 bytes (BF16);
         x_scale and w_scale, 0-d FP32; a reference to the weight parameter (no new memory);
-      transient in forward: |x| for its amax (M*in, BF16), one FP32 temporary of x then of
-        W while quantizing (4 bytes per element), the E4M3 copy of W (out*in bytes);
+      transient in forward: the FP32 product x*scale (M*in*4 bytes) while quantizing x; when W
+        is quantized (refresh, fresh), its FP32 product (4*out*in) and, fresh only, its E4M3 copy;
       transient in backward (grad="bf16"): x dequantized to BF16 (M*in*2 bytes) for wgrad;
         grad="e5m2" instead: E5M2 copies of the output gradient (M*out bytes, and a
-        transposed one), the E4M3 weight again and a column-major copy of x_fp8.
+        transposed one) and a column-major copy of x_fp8.
 
-    Dimensions: FP8 GEMMs need in and out features divisible by 16; other shapes raise
-    ValueError at model build (for this GPT: n_embd a multiple of 16). Only the Linears are
-    FP8: embeddings, LayerNorms, the attention core and the tied output head stay BF16,
-    as with Transformer Engine.
+    Dimensions: in and out features divisible by 16 (an FP8 GEMM rule), else ValueError at
+    build. Only the Linears are FP8 (embeddings, LayerNorms, attention core, head stay BF16).
     """
     def __init__(self, in_features, out_features, bias=True, recipe="delayed", amax_history=16, margin=0,
                  grad="bf16"):
@@ -186,10 +214,10 @@ class FP8Linear(nn.Module):
                              f"{in_features} -> {out_features}: use an n_embd that is a multiple of 16")
         self.in_features, self.out_features = in_features, out_features
         self.recipe, self.margin, self.grad = recipe, margin, grad
+        self.saturate = recipe == "delayed"  # see quantize
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        # nn.Linear's init, drawing the same random numbers: with one seed an fp8 model starts
-        # from the same weights as a bf16 one (GPT re-initialises the weight anyway)
+        # nn.Linear's init, the same random numbers: one seed, the same weights as a bf16 model
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             nn.init.uniform_(self.bias, -1 / math.sqrt(in_features), 1 / math.sqrt(in_features))
@@ -199,6 +227,7 @@ class FP8Linear(nn.Module):
         self.register_buffer("fp8_max", torch.tensor([fp8_max(E4M3), fp8_max(E4M3), fp8_max(E5M2)]),
                              persistent=False)
         self.recorded_forwards = 0  # forwards that recorded an amax since the last fold (recomputes excluded)
+        self.weight_copy = None  # WeightCopy kept for this optimizer step, or None
 
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, recipe={self.recipe}, "
@@ -212,6 +241,7 @@ class FP8Linear(nn.Module):
             new = self._buffers[name]
             if new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
+        self.weight_copy = None  # made from the weight as it was, where it was
         return self
 
     def _scales(self, amax, slots):
@@ -222,41 +252,72 @@ class FP8Linear(nn.Module):
         seen = self.amax_history[:, slots].amax(0) > 0  # no history yet: fall back to current
         return torch.where(seen, self.scale[slots], current)
 
+    def _reusable_copy(self):
+        """The kept FP8 weight, where this forward may use it: mode "reuse", W unchanged since."""
+        copy = self.weight_copy
+        if weight_mode() != "reuse" or copy is None or copy.version != self.weight._version:
+            return None
+        return copy
+
     def forward(self, x):
+        w8 = self._reusable_copy()
         with torch.no_grad():
-            amax = torch.stack([x.detach().abs().amax(), self.weight.detach().abs().amax()]).float()
+            amax = torch.stack([amax_of(x), w8.amax if w8 is not None else amax_of(self.weight)])
             scales = self._scales(amax, [0, 1])
             # record once per real forward: a recomputed forward (in backward) sees the same
             # tensors and must neither move the state nor change the scales it uses
             if self.training and not checkpoint.is_recomputing():
                 self.step_amax[:2] = torch.maximum(self.step_amax[:2], amax)
                 self.recorded_forwards += 1
-        return _FP8LinearFunction.apply(x, self.weight, self.bias, scales[0], scales[1], self)
+            if w8 is None:
+                w8 = WeightCopy(quantize(self.weight.detach(), scales[1], E4M3, self.saturate), scales[1],
+                                amax[1], self.weight._version)
+                if weight_mode() != "fresh":
+                    self.weight_copy = w8
+        return _FP8LinearFunction.apply(x, self.weight, self.bias, scales[0], w8, self)
 
     @torch.no_grad()
     def grad_scale(self, g):
         """E5M2 scale for the output gradient g (called from backward, once per micro-step)."""
-        amax = g.abs().amax().float().reshape(1)
+        amax = amax_of(g).reshape(1)
         self.step_amax[2:] = torch.maximum(self.step_amax[2:], amax)
         return self._scales(amax, [2])[0]
 
     @torch.no_grad()
     def fold_amax(self):
-        """Once per optimizer step: push this step's amax into the history, recompute the scales."""
+        """Once per optimizer step: push this step's amax into the history, recompute the scales.
+
+        As TE's DelayedScaling (delayed_scaling.cu, bulk update kernel): an inf amax is kept (the
+        scale then holds for the window), a zero amax is not pushed and leaves the scale alone.
+        Different, on purpose: our history moves once per optimizer step, TE's once per forward
+        (each micro-step) and once per backward: with ACCUM=K one FP8_AMAX_HISTORY covers K times
+        more forwards here, and our scales hold for a whole step (so recompute and the kept FP8
+        weight reuse the forward's bytes); a NaN amax counts as 0 (TE's kernels skip NaN elements);
+        with no history yet we use current scaling where TE starts from scale 1; evaluation
+        records nothing (TE's does, fp8_te.py)."""
         if self.recorded_forwards == 0:
             return  # no training forward since the last fold (nothing to push)
-        amax = torch.where(torch.isfinite(self.step_amax), self.step_amax, torch.zeros_like(self.step_amax))
-        self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=0))
-        self.amax_history[0] = amax
-        self.scale.copy_(scale_from_amax(self.amax_history.amax(0), self.fp8_max, self.margin, previous=self.scale))
+        amax = torch.nan_to_num(self.step_amax, nan=0.0, posinf=math.inf)
+        pushed = amax > 0
+        rolled = torch.roll(self.amax_history, 1, dims=0)
+        rolled[0] = amax
+        self.amax_history.copy_(torch.where(pushed, rolled, self.amax_history))
+        window = torch.where(pushed, self.amax_history.amax(0), torch.zeros_like(amax))
+        self.scale.copy_(scale_from_amax(window, self.fp8_max, self.margin, previous=self.scale))
         self.step_amax.zero_()
         self.recorded_forwards = 0
-
 
 
 def layers(model):
     """The native FP8 Linears of a model (their amax is folded once per optimizer step)."""
     return [m for m in model.modules() if isinstance(m, FP8Linear)]
+
+
+def release_weight_copies(fp8_layers):
+    """Before the optimizer step changes the weights: drop the FP8 copies kept for this step
+    (stale after it, and they would only add to the optimizer step's peak)."""
+    for m in fp8_layers:
+        m.weight_copy = None
 
 
 @torch.no_grad()

@@ -21,11 +21,12 @@ run in FP8: our FP8Linear (fp8.py) or Transformer Engine's (fp8_te.py).
 """
 import functools
 import math
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
+import checkpoint
 import fp8
 import fp8_te
 from fp8 import Settings as FP8Settings
@@ -77,11 +78,28 @@ class Recipe:
         return functools.partial(fp8.FP8Linear, recipe=self.fp8.recipe, amax_history=self.fp8.history,
                                  margin=self.fp8.margin, grad=self.fp8.grad)
 
-    def forward_context(self):
-        """Entered around every forward: Transformer Engine's FP8 autocast for fp8_backend=te."""
-        if self.fp8 is not None and self.fp8.backend == "te":
-            return fp8_te.autocast(self.fp8)
-        return nullcontext()
+    def forward_context(self, micro_step=None):
+        """Entered around every forward. micro_step: its index in accumulation_step's optimizer
+        step (0 = the first), None outside one (evaluation, sampling). For FP8 it says which FP8
+        weight the Linears use (fp8.WEIGHT_MODES: quantized once per optimizer step, at micro-step
+        0), opens Transformer Engine's FP8 autocast for fp8_backend=te, and tells checkpoint.py
+        what a recomputed forward must re-enter (`_recompute_contexts`)."""
+        if self.fp8 is None:
+            return nullcontext()
+        mode = "fresh" if micro_step is None else "refresh" if micro_step == 0 else "reuse"
+        te_autocast = fp8_te.autocast(self.fp8) if self.fp8.backend == "te" else nullcontext()
+        return _all_of(fp8.weight_copies(mode), te_autocast,
+                       checkpoint.recompute_contexts(functools.partial(self._recompute_contexts, mode)))
+
+    def _recompute_contexts(self, mode):
+        """(around a recompute unit's forward, around its re-run in backward). The re-run uses the
+        FP8 weight its forward used (same step, same bytes); under TE it also re-enters TE's FP8
+        autocast with TE's recompute-phase flags (fp8_te.recompute_contexts)."""
+        rerun_mode = "fresh" if mode == "fresh" else "reuse"
+        if self.fp8.backend != "te":
+            return nullcontext(), fp8.weight_copies(rerun_mode)
+        around_forward, around_rerun = fp8_te.recompute_contexts(self.fp8)
+        return around_forward, _all_of(fp8.weight_copies(rerun_mode), *around_rerun)
 
     def loss_scaler(self):
         return LossScaler(self.loss_scaling, init_scale=self.static_scale, hysteresis=self.hysteresis)
@@ -92,6 +110,15 @@ class Recipe:
             fp8_te.check_available(device)
         elif self.fp8 is not None and (why := fp8.fp8_matmul_error(device)):
             raise ValueError(f"precision=fp8 with fp8_backend=native: {why}")
+
+
+@contextmanager
+def _all_of(*contexts):
+    """One context manager that enters `contexts` in order (and leaves them in reverse)."""
+    with ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
 
 
 PARAM_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -225,7 +252,9 @@ class MasterWeightOptimizer:
         self.adamw.step()
         if self.master_weights:
             with torch.no_grad():
-                torch._foreach_copy_([p.data for p in self.model_params], self.master_params)
+                # into the parameters themselves, not .data: the copy bumps their version counter,
+                # which tells fp8.py that an FP8 copy of a weight is stale
+                torch._foreach_copy_(self.model_params, self.master_params)
         return True, grad_norm
 
     def zero_grad(self):

@@ -16,8 +16,9 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     import fp8
     no_cuda = pytest.mark.skip(reason="no CUDA device on this machine (make gpu-check runs these on a GPU)")
-    # torch._scaled_mm runs on CPU only in recent torch (2.13 here; 2.4 raises): where it
-    # does not, skip the tests that build FP8 models, which carry "fp8" in their names
+    # the native FP8 matmul needs torch's float8 dtypes (on CPU it runs as a BF16 matmul,
+    # fp8_gemm.py): where they are missing, skip the tests that build FP8 models, which carry
+    # "fp8" in their names
     fp8_error = fp8.fp8_matmul_error("cpu")
     no_fp8 = pytest.mark.skip(reason=f"native FP8 cannot run here: {fp8_error}")
     for item in items:

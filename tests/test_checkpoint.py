@@ -276,6 +276,37 @@ def test_recompute_tuple_output_with_an_unused_output():
     assert torch.equal(x.grad, x.detach().exp())
 
 
+def test_recompute_contexts_wrap_the_forward_and_the_rerun():
+    # what a precision needs around a unit (TE's recompute flags, fp8's weight mode): one
+    # context around the forward, one around the re-run, each entered once, made per unit
+    log, state = [], []
+
+    class Tag:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            state.append(self.name)
+
+        def __exit__(self, *exc):
+            state.pop()
+
+    def make():
+        log.append("made")
+        return Tag("forward"), Tag("rerun")
+
+    x = torch.randn(4, requires_grad=True)
+    fn = lambda t: (log.append((list(state), checkpoint.is_recomputing())) or t.sin())  # noqa: E731
+    with checkpoint.recompute_contexts(make):
+        out = checkpoint.recompute(fn, x)
+        core = checkpoint.recompute_core(fn, x)  # selective's unit: no precision context
+    (out + core).sum().backward()
+    assert log[0] == "made" and log[1] == (["forward"], False) and log[2] == ([], False)
+    assert sorted(map(str, log[3:])) == sorted(map(str, [([], True), (["rerun"], True)]))
+    assert checkpoint._make_contexts is None  # closed again
+    assert torch.equal(x.grad, 2 * x.detach().cos())
+
+
 # ---------------------------------------------------------------- policies
 
 def test_segments():

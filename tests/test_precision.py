@@ -1,6 +1,5 @@
-"""precision.py and fp8.py: the recipe, the loss scaler against torch.amp.GradScaler,
-master weights, FP16's underflow, the native FP8 Linear (quantization, forward, backward,
-training, recompute), the Transformer Engine backend's errors, and the dtype table demo.
+"""precision.py: the recipe, the loss scaler against torch.amp.GradScaler, master weights,
+FP16's underflow, and the dtype table demo (FP8 is tests/test_fp8.py).
 CPU, tiny models: FP16 matmuls run at about 1 GFLOP/s on CPU."""
 import copy
 import subprocess
@@ -8,17 +7,14 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import accumulate
-import checkpoint
 import data
-import fp8
 import precision
 import train
 from config import Config, UsageError, parse_args
 from conftest import ROOT, merged
-from fp8 import E4M3, E5M2, FP8Linear
+from fp8 import E4M3, E5M2
 from precision import LossScaler, MasterWeightOptimizer
 from tools import demos
 
@@ -249,229 +245,6 @@ def test_underflow_demo_rows_and_table():
     assert none["lost"] == pytest.approx(none["zero"] + none["subnormal"])
     table = demos.format_underflow(rows)
     assert f"{100 * none['lost']:.2f}%" in table and "bf16, no scaling" in table
-
-
-# ---------------------------------------------------------------- native FP8
-
-def test_fp8_round_trip_error_within_e4m3_precision():
-    torch.manual_seed(0)
-    x = torch.randn(4096) * torch.exp(2 * torch.randn(4096))  # a wide dynamic range
-    scale = fp8.scale_from_amax(x.abs().amax(), torch.finfo(E4M3).max)
-    q = fp8.quantize(x, scale, E4M3)
-    back = fp8.dequantize(q, scale, torch.float32)
-    fi = torch.finfo(E4M3)
-    assert q.dtype == E4M3 and q.element_size() == 1
-    assert q.float().abs().max() == fi.max  # amax maps onto the FP8 max
-    normal = (x * scale).abs() >= fi.smallest_normal
-    rel = ((back - x).abs() / x.abs())[normal]
-    assert rel.max() <= fi.eps / 2  # round to nearest: half an ulp, 2^-4 for 3 mantissa bits
-    assert rel.max() > fi.eps / 8  # and it really rounded to 3 bits
-    # below the smallest normal the spacing is fixed: smallest_normal * eps
-    assert ((back - x).abs()[~normal] * scale <= fi.smallest_normal * fi.eps / 2).all()
-
-
-def fp8_layer(recipe="current", grad="bf16", seed=0):
-    torch.manual_seed(seed)
-    layer = FP8Linear(64, 96, bias=True, recipe=recipe, grad=grad).to(torch.bfloat16)
-    torch.nn.init.normal_(layer.weight, std=0.02)
-    torch.nn.init.normal_(layer.bias, std=0.02)
-    x = torch.randn(4, 8, 64, dtype=torch.bfloat16, requires_grad=True)
-    return layer, x
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-@pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_fp8_forward_matches_bf16_reference(recipe):
-    layer, x = fp8_layer(recipe)
-    y = layer(x)
-    assert y.dtype == torch.bfloat16 and y.shape == (4, 8, 96)
-    assert layer.amax_history.dtype == layer.scale.dtype == torch.float32  # .to(bf16) left them FP32
-    ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
-    # each operand element carries at most E4M3's relative rounding 2^-4 (about 0.036 rms);
-    # over a dot product of two such operands that is ~0.05 normwise: allow 2 * 2^-4
-    err = rel_err(y, ref)
-    assert 0 < err < 2 * torch.finfo(E4M3).eps / 2
-    # against the same product of the dequantized operands, only BF16 output rounding remains
-    amax_x, amax_w = x.detach().abs().amax().float(), layer.weight.abs().amax().float()
-    sx, sw = (fp8.scale_from_amax(a, torch.finfo(E4M3).max) for a in (amax_x, amax_w))
-    xq = fp8.dequantize(fp8.quantize(x.detach(), sx, E4M3), sx, torch.float32)
-    wq = fp8.dequantize(fp8.quantize(layer.weight.detach(), sw, E4M3), sw, torch.float32)
-    assert rel_err(y, F.linear(xq, wq, layer.bias.float())) < torch.finfo(torch.bfloat16).eps
-
-
-@pytest.mark.parametrize("grad", ["bf16", "e5m2"])
-def test_fp8_linear_backward_close_to_bf16(grad):
-    layer, x = fp8_layer(grad=grad)
-    ref_layer = torch.nn.Linear(64, 96).to(torch.bfloat16)
-    ref_layer.load_state_dict({"weight": layer.weight.detach(), "bias": layer.bias.detach()})
-    x_ref = x.detach().clone().requires_grad_(True)
-    g = torch.randn(4, 8, 96, dtype=torch.bfloat16)
-    layer(x).backward(g)
-    ref_layer(x_ref).backward(g)
-    # bf16: dgrad is exact BF16 math, wgrad sees the E4M3 input; e5m2 adds 2-bit-mantissa gradients
-    tol = {"bf16": torch.finfo(E4M3).eps, "e5m2": torch.finfo(E5M2).eps}[grad]
-    assert rel_err(x.grad, x_ref.grad) < tol
-    assert rel_err(layer.weight.grad, ref_layer.weight.grad) < tol
-    assert rel_err(layer.bias.grad, ref_layer.bias.grad) < torch.finfo(torch.bfloat16).eps
-    if grad == "e5m2":
-        assert layer.step_amax[2] == g.abs().amax().float()  # backward recorded the gradient's amax
-
-
-def test_fp8_saves_one_byte_input_for_backward():
-    layer, x = fp8_layer()
-    y = layer(x)
-    saved = y.grad_fn.saved_tensors
-    x_saved = [t for t in saved if t.shape == (32, 64)]
-    assert len(x_saved) == 1 and x_saved[0].dtype == E4M3
-    # nothing of BF16 activation size is saved: the only other tensors are 0-d scales and the weight
-    others = [t for t in saved if t.shape != (32, 64)]
-    assert all(t.dim() == 0 or t is layer.weight or t.data_ptr() == layer.weight.data_ptr() for t in others)
-
-
-def test_fp8_rejects_dims_not_multiple_of_16(tmp_path, capsys):
-    with pytest.raises(ValueError, match="divisible by 16"):
-        FP8Linear(40, 64)
-    rc = train.main(merged(*TINY, f"--out_dir={tmp_path}", "--precision=fp8", "--n_embd=40", "--max_iters=1"))
-    err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and "16" in err
-
-
-def test_fp8_model_gradients_reach_every_parameter(tmp_path):
-    grads = {}
-    for prec in ("bf16", "fp8"):
-        cfg = tiny_cfg(tmp_path, f"--precision={prec}")
-        model, parts = train.build(cfg, torch.device("cpu"))
-        if prec == "fp8":
-            n_fp8 = sum(isinstance(m, FP8Linear) for m in model.modules())
-            assert n_fp8 == 4 * cfg.n_layer and n_fp8 == len(parts.fp8_layers)
-            assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-            assert all(m.dtype == torch.float32 for m in parts.optimizer.master_params)
-        x, y = a_batch(cfg)
-        with parts.recipe.forward_context():
-            _, loss = model(x, y)
-        parts.scaler.backward(loss)
-        grads[prec] = {n: p.grad for n, p in model.named_parameters()}
-    for name, g in grads["fp8"].items():
-        assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0, name
-        # same direction as the BF16 gradient
-        assert F.cosine_similarity(g.float().flatten(), grads["bf16"][name].float().flatten(), dim=0) > 0.95, name
-
-
-@pytest.mark.parametrize("extra", [[], ["--fp8_recipe=current", "--fp8_grad=e5m2"]])
-def test_fp8_training_reduces_loss_and_tracks_bf16(tmp_path, bf16_losses, extra):
-    fp8, _ = run_losses(tmp_path, "--precision=fp8", f"--max_iters={STEPS}", *extra)
-    assert tail(fp8) < fp8[0] - 1.0
-    assert fp8 != bf16_losses  # the same seed and data: only the FP8 matmuls differ
-    # E4M3's 3 mantissa bits cost a little: within 0.1 nats of BF16 over a short run
-    assert abs(tail(fp8) - tail(bf16_losses)) < 0.1
-
-
-@pytest.mark.parametrize("recipe", ["delayed", "current"])
-def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe):
-    runs = {}
-    for ckpt in ("none", "full"):
-        cfg = tiny_cfg(tmp_path, "--precision=fp8", f"--fp8_recipe={recipe}", "--fp8_margin=1", f"--ckpt={ckpt}")
-        model, parts = train.build(cfg, torch.device("cpu"))
-        calls = []  # (module, recomputing?, output) per FP8Linear forward
-        for m in parts.fp8_layers:
-            m.register_forward_hook(lambda mod, inp, out: calls.append((mod, checkpoint.is_recomputing(), out)))
-        batches = data.Batches(data.load_tokens(""), cfg.block_size, cfg.batch_size, 0, torch.device("cpu"))
-        grads, records = [], []
-        for step in range(3):
-            calls.clear()
-            x, y = batches.next()
-            with parts.recipe.forward_context():
-                _, loss = model(x, y)
-            parts.scaler.backward(loss)
-            grads.append([p.grad.clone() for p in model.parameters()])
-            records.append([m.recorded_forwards for m in parts.fp8_layers])
-            if ckpt == "full":
-                assert len(calls) == 2 * len(parts.fp8_layers)  # every FP8 forward ran twice
-                first = {id(m): out for m, rec, out in calls if not rec}
-                again = {id(m): out for m, rec, out in calls if rec}
-                assert first.keys() == again.keys()
-                for k in first:  # the recomputed forward used the same scales: same bits
-                    assert torch.equal(first[k], again[k])
-            accumulate.optimizer_step(parts)
-        runs[ckpt] = (grads, records, [{k: v.clone() for k, v in m.state_dict().items()} for m in parts.fp8_layers],
-                      parts.fp8_layers)
-    for g_none, g_full in zip(runs["none"][0], runs["full"][0]):
-        assert all(torch.equal(a, b) for a, b in zip(g_none, g_full))
-    # one recorded forward per module per step, with or without recompute
-    assert runs["none"][1] == runs["full"][1] == [[1] * len(runs["none"][3])] * 3
-    for s_none, s_full in zip(runs["none"][2], runs["full"][2]):
-        assert all(torch.equal(s_none[k], s_full[k]) for k in s_none)
-    # the history moved once per step: 3 rows filled, and the delayed scale is TE's formula
-    m = runs["full"][3][0]
-    assert (m.amax_history[:, :2] > 0).all(1).sum() == 3
-    amax = m.amax_history.amax(0)[:2]
-    assert torch.allclose(m.scale[:2], (torch.finfo(E4M3).max / amax) / 2 ** 1)
-
-
-def test_fp8_buffers_go_in_snapshots(tmp_path):
-    cfg = tiny_cfg(tmp_path, "--precision=fp8")
-    model, parts = train.build(cfg, torch.device("cpu"))
-    x, y = a_batch(cfg)
-    _, loss = model(x, y)
-    parts.scaler.backward(loss)
-    accumulate.optimizer_step(parts)
-    sd = model.state_dict()
-    keys = [k for k in sd if k.endswith(("amax_history", "scale"))]
-    assert len(keys) == 2 * len(parts.fp8_layers)
-    assert all(sd[k].dtype == torch.float32 for k in keys)
-    fresh, _ = train.build(cfg, torch.device("cpu"))
-    fresh.load_state_dict(sd)
-    assert torch.equal(fresh.h[0].mlp.c_fc.scale, model.h[0].mlp.c_fc.scale)
-    assert not torch.equal(model.h[0].mlp.c_fc.scale, torch.ones(3))  # the fold did change it
-
-
-# ---------------------------------------------------------------- Transformer Engine
-
-def te_usable():
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-
-
-@pytest.mark.skipif(te_usable(), reason="Transformer Engine and an sm89+ GPU are present here")
-def test_te_backend_without_te_or_gpu_exits_2_with_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", *TINY, f"--out_dir={tmp_path}", "--precision=fp8",
-                        "--fp8_backend=te", "--max_iters=1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2
-    assert r.stderr.startswith("error: fp8_backend=te needs") and r.stderr.count("\n") == 1
-    assert "Traceback" not in r.stderr
-
-
-@pytest.mark.cuda
-def test_te_backend_trains_on_gpu(tmp_path):
-    pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine is not installed")
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("TE FP8 needs an sm89+ GPU")
-    import transformer_engine.pytorch as te
-    cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", "--device=cuda", "--n_embd=64", "--max_iters=30")
-    model, parts = train.build(cfg)
-    assert any(isinstance(m, te.Linear) for m in model.modules()) and parts.recipe.fp8.backend == "te"
-    losses, _ = run_losses(tmp_path, "--precision=fp8", "--fp8_backend=te", "--device=cuda", "--n_embd=64",
-                           "--max_iters=30")
-    assert losses[-1] < losses[0] - 1.0
-
-
-@pytest.mark.cuda
-def test_native_fp8_on_gpu_matches_cpu():
-    layer, x = fp8_layer()
-    y_cpu = layer(x)
-    g = torch.randn_like(y_cpu)
-    y_cpu.backward(g)
-    gl, gx = copy.deepcopy(layer).cuda(), x.detach().cuda().requires_grad_(True)
-    y = gl(gx)
-    y.backward(g.cuda())
-    assert rel_err(y.cpu(), y_cpu) < torch.finfo(torch.bfloat16).eps  # same bytes, another kernel
-    assert rel_err(gl.weight.grad.cpu(), layer.weight.grad) < torch.finfo(torch.bfloat16).eps
 
 
 # ---------------------------------------------------------------- the demo

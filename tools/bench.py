@@ -1,5 +1,6 @@
 """Benchmarks (not tests): tokens/s, ms/step, MFU and peak memory per precision, per
-recompute policy, and DDP step time with and without no_sync.
+recompute policy, DDP step time with and without no_sync, and FP8 (native, its HYBRID
+mode, Transformer Engine where installed) against BF16 at widths 2048 and 4096 (fp8wide).
 
 Chapter: the "it saves memory *and* speeds up" claims of sections 1-3, measured.
 Read first: `measure_row` (one configuration: the median step after warm-up steps).
@@ -32,6 +33,7 @@ import accumulate  # noqa: E402
 import checkpoint  # noqa: E402
 import flops  # noqa: E402
 import fp8  # noqa: E402
+import fp8_te  # noqa: E402
 import memory_ledger  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
@@ -40,12 +42,21 @@ from data import Batches, load_tokens, split_tokens  # noqa: E402
 from snapshot import write_atomically  # noqa: E402
 
 SECTIONS = ("precision", "ckpt", "memory", "ddp", "fp8wide")
+# fp8wide: FP8 pays where the Linears' GEMMs dominate. With FP8_GRAD=bf16 only the forward GEMM,
+# a third of a Linear's FLOPs, is FP8: even at 2x BF16's rate that is at best 1/(2/3 + 1/6) = 1.2x.
+# HYBRID (FP8_GRAD=e5m2, and TE) puts all three GEMMs in FP8: the goal, >= 1.3x BF16's tokens/s
+# at width >= 4096 on an H100/H200. Width: (heads, layers); 2 layers of width 4096 (201M parameters
+# each) give the ratio and keep `make gpu-check` short.
+WIDE = {2048: (16, 4), 4096: (32, 2)}
+FP8_ROWS = (("fp8", ["--precision=fp8", "--fp8_backend=native", "--fp8_grad=bf16"]),
+            ("fp8 hybrid", ["--precision=fp8", "--fp8_backend=native", "--fp8_grad=e5m2"]),
+            ("fp8 te", ["--precision=fp8", "--fp8_backend=te"]))
 
 
 @dataclass
 class BenchOptions:
     sections: str = key("precision,ckpt,memory,ddp", "comma-separated: " + ",".join(SECTIONS)
-                        + " (fp8wide is for GPUs: far too slow on CPU)")
+                        + " (fp8wide is for GPUs: skipped on CPU)")
     steps: int = key(9, "timed optimizer steps per row (the median is reported)", at_least=1)
     warmup: int = key(2, "untimed steps before them", at_least=0)
 
@@ -57,7 +68,7 @@ class AutocastReference:
     def __init__(self, device_type):
         self.device_type = device_type
 
-    def forward_context(self):
+    def forward_context(self, micro_step=None):
         return torch.autocast(self.device_type, dtype=torch.bfloat16)
 
 
@@ -141,6 +152,23 @@ def ddp_rows(base, steps):
     return rows
 
 
+def overridden(base, flags):
+    """base's --key=value flags with those in `flags` replacing any of the same key (a key twice is refused)."""
+    out = {}
+    for flag in (*base, *flags):
+        out[flag.partition("=")[0]] = flag
+    return list(out.values())
+
+
+def te_unavailable(device):
+    """None where Transformer Engine's FP8 runs here, else why not (its own one-line reason)."""
+    try:
+        fp8_te.check_available(device)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def fmt(v, kind):
     if v is None:
         return "-"
@@ -168,29 +196,34 @@ def run_sections(argv):
     split_tokens(load_tokens(cfg.data), cfg.block_size)  # bad data fails here, not in a row
     on_cpu = device.type == "cpu"
     fp8_error = fp8.fp8_matmul_error(device)
+    te_error = fp8_error or te_unavailable(device)
     given = {a.split("=")[0] for a in base}
     rows = []
 
-    def add(section, flags, **kw):
+    def add(section, flags, label=None, **kw):
         if section == "precision" and "--precision=fp16" in flags and on_cpu:
             kw = dict(kw, steps=1, warmup=1)  # fp16 matmuls run at ~1 GFLOP/s on CPU: one timed step
-        row = run_row_in_subprocess(base + flags, kw.get("steps", steps), kw.get("warmup", warmup),
+        row = run_row_in_subprocess(overridden(base, flags), kw.get("steps", steps), kw.get("warmup", warmup),
                                     kw.get("autocast_reference", False))
-        row["section"] = section
+        row["section"], row["label"] = section, label or row["precision"]
         rows.append(row)
-        print(f"{section:9} {row['precision']:13} {row['ckpt']:9} {fmt(row['tokens_per_s'], 'f1'):>12} tok/s "
+        print(f"{section:9} {row['label']:17} {row['ckpt']:9} {fmt(row['tokens_per_s'], 'f1'):>12} tok/s "
               f"{fmt(row['ms_per_step'], 'f1'):>10} ms/step  MFU {fmt(row['mfu'], 'pct'):>6}  "
               f"HFU {fmt(row.get('hfu'), 'pct'):>6}  peak {fmt(row['peak_mem_bytes'], 'mem'):>9}  "
               f"activations {fmt(row['activation_bytes'], 'mem'):>9}", flush=True)
         return row
 
-    print(f"{'section':9} {'precision':13} {'ckpt':9} {'tokens/s':>18} {'ms/step':>18}")
+    print(f"{'section':9} {'precision':17} {'ckpt':9} {'tokens/s':>18} {'ms/step':>18}")
     if "precision" in sections:
         for p in ("fp32", "bf16", "fp16", "fp8"):
             if p == "fp8" and fp8_error:
                 print(f"precision fp8: skipped, {fp8_error}")
                 continue
-            add("precision", [f"--precision={p}"])
+            add("precision", [f"--precision={p}"] + (["--fp8_backend=native"] if p == "fp8" else []))
+        if te_error:
+            print(f"precision fp8 te: skipped, {te_error}")
+        else:
+            add("precision", ["--precision=fp8", "--fp8_backend=te"], label="fp8 te")
         add("precision", ["--precision=fp32"], autocast_reference=True)
     if "ckpt" in sections:
         prec = [] if "--precision" in given else ["--precision=bf16"]
@@ -199,27 +232,32 @@ def run_sections(argv):
             row = add("ckpt", prec + [f"--ckpt={policy}", "--attn=manual"])
             none = none or row
             row["time_vs_none"] = row["ms_per_step"] / none["ms_per_step"]
-            print(f"{'':9} {'':13} {policy:9} time x{row['time_vs_none']:.2f} of none")
+            print(f"{'':9} {'':17} {policy:9} time x{row['time_vs_none']:.2f} of none")
     if "memory" in sections:
         # a config where activations dominate: long context, bigger micro-batch
         shape = ["--block_size=1024", "--batch_size=16"]
         prec = [] if "--precision" in given else ["--precision=bf16"]
         for policy in ("none", "selective", "sqrt", "full"):
             add("memory", prec + shape + [f"--ckpt={policy}", "--attn=manual"], steps=2, warmup=1)
-    if "fp8wide" in sections and fp8_error:
-        print(f"fp8wide: skipped, {fp8_error}")
+    if "fp8wide" in sections and (fp8_error or on_cpu):
+        print(f"fp8wide: skipped, {fp8_error or 'for GPUs (width 4096 takes minutes a step on CPU)'}")
     elif "fp8wide" in sections:
-        # FP8 pays where the Linears' matmuls dominate: width 2048, as on an H100-class GPU
-        wide = ["--n_embd=2048", "--n_head=16", "--block_size=1024", "--batch_size=8", "--attn=sdpa"]
-        bf16 = add("fp8wide", wide + ["--precision=bf16"])
-        fp8 = add("fp8wide", wide + ["--precision=fp8"])
-        fp8["speedup_vs_bf16"] = fp8["tokens_per_s"] / bf16["tokens_per_s"]
-        print(f"{'':9} fp8 / bf16 tokens/s = {fp8['speedup_vs_bf16']:.2f}x")
+        for width, (heads, layers) in WIDE.items():
+            wide = [f"--n_embd={width}", f"--n_head={heads}", f"--n_layer={layers}", "--block_size=1024",
+                    "--batch_size=8", "--attn=sdpa"]
+            bf16 = add("fp8wide", wide + ["--precision=bf16"], label=f"bf16 w{width}")
+            for name, flags in FP8_ROWS:
+                if name == "fp8 te" and te_error:
+                    print(f"fp8wide {name} w{width}: skipped, {te_error}")
+                    continue
+                row = add("fp8wide", wide + flags, label=f"{name} w{width}")
+                row["speedup_vs_bf16"] = row["tokens_per_s"] / bf16["tokens_per_s"]
+                print(f"{'':9} {name} / bf16 tokens/s at width {width} = {row['speedup_vs_bf16']:.2f}x", flush=True)
     if "ddp" in sections:
         for row in ddp_rows(base, steps):
             row["section"] = "ddp"
             rows.append(row)
-            print(f"ddp       {row['precision']:13} no_sync={str(row['no_sync']):5} nproc 2 accum 4 "
+            print(f"ddp       {row['precision']:17} no_sync={str(row['no_sync']):5} nproc 2 accum 4 "
                   f"{row['ms_per_step']:10.1f} ms/step {row['tokens_per_s']:12,.0f} tok/s", flush=True)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
