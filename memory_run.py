@@ -24,12 +24,18 @@ HISTORY_STEPS = 3  # --memory_snapshot records the first steps: the first create
 def check_fits(cfg, device):
     """Raise UsageError when the ledger's estimate of a step's peak exceeds what this device has
     free (CPU: available memory shared by this node's ranks): refused before anything is built."""
-    need = memory_ledger.peak_estimate(dataclasses.replace(cfg, device=device.type))[0]
     if device.type == "cuda":
         free, where = torch.cuda.mem_get_info(device)[0], f"free on {torch.cuda.get_device_name(device)}"
     else:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        free, where = host_memory_available() // ranks, "of memory available" + (f" per rank ({ranks})" if ranks > 1 else "")
+        free = host_memory_available() // ranks
+        where = "of memory available" + (f" per rank ({ranks})" if ranks > 1 else "")
+    ledger_cfg = dataclasses.replace(cfg, device=device.type)
+    # a lower bound first, in O(1): the states and activations alone; the op-by-op peak walk,
+    # O(L), only where the bound leaves room
+    need = sum(memory_ledger.components(ledger_cfg).values())
+    if need <= free:
+        need = memory_ledger.peak_estimate(ledger_cfg)[0]
     if need > free:
         raise UsageError(f"this shape needs about {need / GiB:,.1f} GiB for one step (the memory ledger's estimate), "
                          f"{free / GiB:,.1f} GiB {where}: make it smaller")
