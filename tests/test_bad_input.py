@@ -16,7 +16,7 @@ import torch
 import snapshot
 import train
 from conftest import ROOT, merged
-from tools import demos
+from tools import bench, demos, ledger
 
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--max_iters=2",
         "--sample_tokens=0", "--log_interval=1000", "--eval_interval=1000", "--ledger=false"]
@@ -106,19 +106,24 @@ def run_main(main, argv, capsys):
     return code, capsys.readouterr().err
 
 
+PROGRAMS = {"train.py": train.main, "tools/demos.py flops": lambda argv: demos.main(["flops", *argv]),
+            "tools/ledger.py": ledger.main, "tools/bench.py": bench.main}
+
+
 @pytest.mark.parametrize("flags,words,damage", CASES, ids=[" ".join(c[0]) + (" +damaged" if c[2] else "")
                                                             for c in CASES])
-@pytest.mark.parametrize("program", ["train.py", "tools/demos.py flops"])
+@pytest.mark.parametrize("program", list(PROGRAMS))
 def test_bad_input_leaves_everything_alone(program, flags, words, damage, out_dir, capsys):
-    if program != "train.py" and ("--resume" in flags or any(f.startswith("--data=") for f in flags)):
-        pytest.skip("the FLOP count reads no snapshot and no data")
+    reads_data = program in ("train.py", "tools/bench.py")
+    if (program != "train.py" and "--resume" in flags) or (not reads_data and any(f.startswith("--data=") for f in flags)):
+        pytest.skip(f"{program} reads no snapshot{'' if reads_data else ' and no data'}: it refuses the flag itself "
+                    f"(test_programs_refuse_flags_they_would_ignore)")
     if damage is not None:
         broken_snapshot(out_dir, damage)
     before = listing(out_dir)
     named = {f.partition("=")[0] for f in flags}  # the case's own flags go in as given (twice, if so)
     argv = [f for f in merged(*TINY, f"--out_dir={out_dir}") if f.partition("=")[0] not in named] + flags
-    main = train.main if program == "train.py" else (lambda argv: demos.main(["flops", *argv]))
-    code, err = run_main(main, argv, capsys)
+    code, err = run_main(PROGRAMS[program], argv, capsys)
     assert code == 2, err
     assert err.startswith("error: ") and err.count("\n") == 1 and words in err, err
     assert "Traceback" not in err
@@ -157,9 +162,22 @@ def test_a_pipe_as_data_is_refused_without_reading_it(tmp_path, capsys):
         assert "not a regular file" in err or "holds no files" in err
 
 
-def test_sample_only_refuses_flags_it_would_ignore(out_dir, capsys):
-    code, err = run_main(train.main, ["--sample_only", f"--out_dir={out_dir}", "--data=/tmp"], capsys)
-    assert code == 2 and "--data and --resume do not apply" in err and err.count("\n") == 1
+@pytest.mark.parametrize("program,flag,words", [
+    ("train.py", "--data=/tmp", "--data and --resume do not apply"),  # with --sample_only
+    ("tools/demos.py flops", "--ckpt=full", "the FLOP count sets these itself"),
+    ("tools/ledger.py", "--data=/tmp", "the ledger measures one step on random tokens"),
+    ("tools/ledger.py", "--resume", "the ledger measures one step on random tokens"),
+    ("tools/ledger.py", "--tp=1000", "--tp=1000 must divide n_head=2"),
+    ("tools/ledger.py", "--cp=5", "--cp=5 must divide block_size=32"),
+    ("tools/bench.py", "--resume", "the benchmark times fresh runs"),
+    ("tools/bench.py", "--sections=everything", "--sections takes"),
+])
+def test_programs_refuse_flags_they_would_ignore(program, flag, words, out_dir, capsys):
+    before = listing(out_dir)
+    extra = ["--sample_only"] if program == "train.py" else []
+    code, err = run_main(PROGRAMS[program], merged(*TINY, f"--out_dir={out_dir}", *extra, flag), capsys)
+    assert code == 2 and words in err and err.count("\n") == 1 and err.startswith("error: "), err
+    assert listing(out_dir) == before
 
 
 def test_weights_that_go_non_finite_stop_the_run_and_keep_the_snapshot(out_dir, capsys):

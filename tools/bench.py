@@ -37,9 +37,9 @@ import fp8_te  # noqa: E402
 import memory_ledger  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
-from config import UsageError, key, parse_args, usage  # noqa: E402
+from config import UsageError, given, key, parse_args, usage  # noqa: E402
 from data import Batches, load_tokens, split_tokens  # noqa: E402
-from snapshot import write_atomically  # noqa: E402
+from snapshot import check_writable, write_atomically  # noqa: E402
 
 SECTIONS = ("precision", "ckpt", "memory", "ddp", "fp8wide")
 # fp8wide: FP8 pays where the Linears' GEMMs dominate. With FP8_GRAD=bf16 only the forward GEMM,
@@ -175,15 +175,15 @@ def fmt(v, kind):
     return {"mem": f"{v / 2**20:.0f} MiB", "pct": f"{100 * v:.1f}%", "f1": f"{v:,.1f}"}[kind]
 
 
-def main(argv):
+def program(argv):
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip() + "\n\n" + usage("tools/bench.py", BenchOptions))
         return 0
-    try:
-        return run_sections(argv)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_sections(argv)
+
+
+def main(argv):
+    return train.run(program, argv)
 
 
 def run_sections(argv):
@@ -194,10 +194,14 @@ def run_sections(argv):
         raise UsageError(f"--sections takes {','.join(SECTIONS)}, got {opts.sections!r}")
     device = train.pick_device(cfg)
     split_tokens(load_tokens(cfg.data), cfg.block_size)  # bad data fails here, not in a row
+    check_writable(cfg.out_dir, "--out_dir")  # and an out_dir that cannot take the results, before any row runs
+    ignored = given(argv) & {"resume", "sample_only", "memory_snapshot"}
+    if ignored:
+        raise UsageError(f"--{', --'.join(sorted(ignored))}: the benchmark times fresh runs, nothing else applies")
     on_cpu = device.type == "cpu"
     fp8_error = fp8.fp8_matmul_error(device)
     te_error = fp8_error or te_unavailable(device)
-    given = {a.split("=")[0] for a in base}
+    base_keys = {a.split("=")[0] for a in base}
     rows = []
 
     def add(section, flags, label=None, **kw):
@@ -226,7 +230,7 @@ def run_sections(argv):
             add("precision", ["--precision=fp8", "--fp8_backend=te"], label="fp8 te")
         add("precision", ["--precision=fp32"], autocast_reference=True)
     if "ckpt" in sections:
-        prec = [] if "--precision" in given else ["--precision=bf16"]
+        prec = [] if "--precision" in base_keys else ["--precision=bf16"]
         none = None
         for policy in ("none", "full", "sqrt", "selective"):
             row = add("ckpt", prec + [f"--ckpt={policy}", "--attn=manual"])
@@ -236,7 +240,7 @@ def run_sections(argv):
     if "memory" in sections:
         # a config where activations dominate: long context, bigger micro-batch
         shape = ["--block_size=1024", "--batch_size=16"]
-        prec = [] if "--precision" in given else ["--precision=bf16"]
+        prec = [] if "--precision" in base_keys else ["--precision=bf16"]
         for policy in ("none", "selective", "sqrt", "full"):
             add("memory", prec + shape + [f"--ckpt={policy}", "--attn=manual"], steps=2, warmup=1)
     if "fp8wide" in sections and (fp8_error or on_cpu):
@@ -269,10 +273,6 @@ def run_sections(argv):
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--row":
         job = json.loads(sys.argv[2])
-        try:
-            print(json.dumps(measure_row(job["flags"], job["steps"], job["warmup"], job["autocast_reference"])))
-        except UsageError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
-        sys.exit(0)
+        sys.exit(train.run(lambda _: print(json.dumps(measure_row(job["flags"], job["steps"], job["warmup"],
+                                                                   job["autocast_reference"]))), []))
     sys.exit(main(sys.argv[1:]))

@@ -81,8 +81,8 @@ def half_the_memory(device):
     holds = ratio["parameters"] == ratio["gradients"] == 0.5 and 0.45 <= ratio["activations"] <= 0.65
     return Claim("1", "fewer bits -> about half the memory",
                  ", ".join(f"{k} x{v:.3f}" for k, v in ratio.items()) + " (BF16 / FP32, measured bytes)",
-                 "x0.5 for parameters and gradients; activations a little above x0.5: the loss keeps an FP32 "
-                 "log-softmax and the token ids are int64", holds)
+                 "x0.5 for parameters and gradients; activations a little above x0.5: the loss keeps its "
+                 "log-softmax in FP32", holds)
 
 
 def twice_the_speed(device, steps):

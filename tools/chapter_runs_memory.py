@@ -178,7 +178,7 @@ def recompute_cost(device, steps):
 
 def components_table(device):
     cfg = tiny(device, precision="bf16", batch_size=4)
-    rows = ledger.technique_rows(cfg, device, ledger.LedgerOptions())
+    rows = ledger.technique_rows(cfg, device, ledger.check_options(cfg, ledger.LedgerOptions(), []))
     table = {name: c for name, c, _ in rows}
     measured = sum(how == "measured" for _, _, how in rows)
     base = table["BF16 mixed precision"]

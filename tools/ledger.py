@@ -19,6 +19,7 @@ slower on some CPUs than on others: on CPU the table's FP8 row is measured (and 
 a tiny shape, and shown as the formula at this shape; the output says so. Exit status 0
 when every check passed, 1 when one missed, 2 for bad input.
 """
+import math
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -35,8 +36,8 @@ import memory_papers  # noqa: E402
 import memory_parallel as mp  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
-from config import UsageError, key, parse_args, usage  # noqa: E402
-from snapshot import write_atomically  # noqa: E402
+from config import UsageError, given, key, parse_args, usage  # noqa: E402
+from snapshot import check_writable, write_atomically  # noqa: E402
 from tools import ledger_report as report  # noqa: E402
 from tools.ledger_report import fmt_bytes, format_table  # noqa: E402,F401  (tools/chapter.py prints with them)
 
@@ -48,7 +49,8 @@ FP8_CPU_SHAPE = dict(n_layer=2, n_embd=32, n_head=2, block_size=32, batch_size=2
 @dataclass
 class LedgerOptions:
     ranks: int = key(8, "data-parallel ranks for the ZeRO rows and the what-if", at_least=1)
-    tp: int = key(8, "tensor-parallel size for the TP rows and the published Table 2 rows", at_least=1)
+    tp: int = key(8, "tensor-parallel size for the TP rows (the published Table 2 rows keep the paper's t=8)",
+                  at_least=1)
     pp: int = key(8, "pipeline stages for the PP rows (the largest divisor of n_layer up to it)", at_least=1)
     cp: int = key(4, "context-parallel size for the CP row", at_least=1)
     gpu_gib: int = key(80, "GPU memory of the what-if, GiB", at_least=1)
@@ -165,13 +167,38 @@ def what_if_text(opts):
         out.append(f"  {name}: formula {n:,} parameters, model.GPT on the meta device {m:,}: "
                    f"{'same' if n == m else 'DIFFERENT'}")
         ok = ok and n == m
-    out += ["", report.format_papers(memory_papers.korthikanti_rows(opts.tp), memory_papers.zero_rows())]
+    out += ["", report.format_papers(memory_papers.korthikanti_rows(), memory_papers.zero_rows())]
     return "\n".join(out), ok
 
 
 # ---------------------------------------------------------------- main
 
-def main(argv):
+def check_options(cfg, opts, argv):
+    """Parallel sizes the formulas can mean, and no flag the ledger would ignore. Returns the
+    options to use: a default --tp or --cp that does not divide this model's heads or context
+    becomes the largest size up to it that does (the row names the size it uses); a size given
+    on the command line that does not divide is refused."""
+    named = given(argv)
+    for name, whole, what in (("tp", math.gcd(cfg.n_head, cfg.n_embd), f"n_head={cfg.n_head} and n_embd={cfg.n_embd}"),
+                              ("cp", cfg.block_size, f"block_size={cfg.block_size}")):
+        size = getattr(opts, name)
+        if whole % size and name in named:
+            raise UsageError(f"--{name}={size} must divide {what}")
+        opts = replace(opts, **{name: max(d for d in range(1, size + 1) if whole % d == 0)})
+    if opts.pp > cfg.n_layer and "pp" in named:
+        raise UsageError(f"--pp={opts.pp} is more stages than n_layer={cfg.n_layer}")
+    ignored = given(argv) & {"data", "resume", "sample_only", "memory_snapshot"}
+    if ignored:
+        raise UsageError(f"--{', --'.join(sorted(ignored))}: the ledger measures one step on random tokens, "
+                         f"nothing else applies")
+    fp8_settings = precision.recipe(cfg).fp8
+    if fp8_settings is not None and fp8_settings.backend == "te":
+        raise UsageError("the ledger measures fp8_backend=native only (Transformer Engine's cached FP8 "
+                         "weights are a formula row of its table); use --fp8_backend=native")
+    return opts
+
+
+def program(argv):
     """Bad input of any kind (flags, config, an fp8 setting the FP8 row would trip on, an
     unwritable out_dir) is one line 'error: ...' on stderr and exit status 2; all measuring
     happens before anything is printed, so such an error leaves stdout empty."""
@@ -179,43 +206,38 @@ def main(argv):
         print(__doc__.strip() + "\n\n" + usage("tools/ledger.py", LedgerOptions))
         return 0
     started = time.perf_counter()
+    cfg, opts = parse_args(argv, LedgerOptions)
+    opts = check_options(cfg, opts, argv)
+    if opts.what_if_only:
+        text, ok = what_if_text(opts)
+        print(text)
+        return 0 if ok else 1
+    device = train.pick_device(cfg)
+    cfg = replace(cfg, device=device.type)
+    path = Path(cfg.out_dir) / "memory_ledger.svg"
+    check_writable(path.parent, "--out_dir")
     try:
-        cfg, opts = parse_args(argv, LedgerOptions)
-        if opts.what_if_only:
-            text, ok = what_if_text(opts)
-            print(text)
-            return 0 if ok else 1
-        fp8_settings = precision.recipe(cfg).fp8
-        if fp8_settings is not None and fp8_settings.backend == "te":
-            raise UsageError("the ledger measures fp8_backend=native only (Transformer Engine's cached FP8 "
-                             "weights are a formula row of its table); use --fp8_backend=native")
-        device = train.pick_device(cfg)
-        cfg = replace(cfg, device=device.type)
         meas, checks = run_config(cfg, device), []
         table = technique_rows(cfg, device, opts, measure_runs=opts.table == "measure", checks=checks)
-        path = Path(cfg.out_dir) / "memory_ledger.svg"
-        picture = report.svg(table, f"memory per GPU by technique: L={cfg.n_layer} h={cfg.n_embd} "
-                                    f"s={cfg.block_size} b={cfg.batch_size}")
-        path.parent.mkdir(parents=True, exist_ok=True)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    picture = report.svg(table, f"memory per GPU by technique: L={cfg.n_layer} h={cfg.n_embd} "
+                                f"s={cfg.block_size} b={cfg.batch_size}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
         write_atomically(path, lambda fh: fh.write(picture.encode()))
-    except (UsageError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except OSError as e:
-        print(f"error: cannot write the SVG under --out_dir: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
     rows, ok = compare(cfg, meas)
     print(format_comparison(cfg, rows, meas))
-    if precision.recipe(cfg).fp8 is not None and device.type == "cpu":
-        print("  (FP8 on CPU runs torch's emulated _scaled_mm: seconds here, minutes on some CPUs)")
     print("\nactivations, term by term (bytes after forward):")
     for name, v in ml.activation_terms(cfg):
         print(f"  {name:48} {v:14,d}")
     print(f"\nfour components x techniques (per GPU, this config, precision {precision.recipe(cfg).name} "
           f"unless named):")
     for what, fine in checks:
-        print(f"  {what}: every component {'exact' if fine else 'NOT exact'} (FP8 on CPU is measured at a tiny "
-              f"shape: torch's emulated _scaled_mm is slow on some CPUs)")
+        print(f"  {what}: every component {'exact' if fine else 'NOT exact'} (the FP8 rows are measured at a tiny "
+              f"shape, which keeps `make ledger` fast)")
         ok = ok and fine
     print(report.format_table(table))
     text, same = what_if_text(opts)
@@ -224,6 +246,10 @@ def main(argv):
     if not (ok and same):
         print("ledger: some check missed", file=sys.stderr)
     return 0 if ok and same else 1
+
+
+def main(argv):
+    return train.run(program, argv)
 
 
 if __name__ == "__main__":
