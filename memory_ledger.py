@@ -315,7 +315,7 @@ def timeline_sizes(cfg):
 def peak_walk(cfg, shard=1):
     """memory_timeline.walk_step for cfg: the Walk over one steady-state step.
     shard=N: ZeRO-3 over N ranks: every per-parameter state and gradient / N, plus one block's
-    parameters gathered (and its gradient before the reduce-scatter); buffers are not sharded."""
+    parameters gathered (and its gradient before the reduce-scatter); buffers, kept FP8 copies whole."""
     L, h, _, _, _, V = dims(cfg)
     st, rec, (P, _) = state_bytes(cfg), precision.recipe(cfg), param_count(cfg)
     e, low = rec.element_bytes, rec.master_weights

@@ -5,12 +5,15 @@ from dataclasses import replace
 import pytest
 import torch
 
+import fp8
 import memory_ledger as ml
-import memory_parallel as mp
 import memory_linear
+import memory_measure
+import memory_parallel as mp
 import memory_timeline
-from memory_ops import KEPT, SAVED
+import train
 from config import Config, parse_args
+from memory_ops import KEPT, SAVED
 from tools import ledger as tool
 
 # activation-heavy: the states are a few MB, the activations tens of MB (issue 10, defect 4)
@@ -136,6 +139,58 @@ def test_the_walks_forward_saves_the_ledgers_terms(kw):
         assert saved == terms
         assert {name: n for name, (n, kind) in w.alive.items() if kind == KEPT} == kept
         assert set(w.alive) == {"1.ln_1 input"} | {"0." + name for name in terms} | set(kept)
+
+
+class EveryTotal(memory_measure.LiveTensors):
+    """LiveTensors that keeps its count after every op."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.totals = []
+
+    def _count(self):
+        self.totals.append(super()._count())
+        return self.totals[-1]
+
+
+@pytest.mark.parametrize("argv", [["--precision=fp8"], ["--precision=fp8", "--attn=sdpa", "--dropout=0.1"],
+                                  ["--precision=fp8", "--bias=false", "--fp8_recipe=current"],
+                                  ["--precision=bf16", "--dropout=0.1"], ["--precision=fp32", "--attn=sdpa"]])
+def test_a_blocks_forward_is_walked_as_measured(argv):
+    """One block's forward with autograd recording, counted op by op and walked by block_forward: the
+    same peak and the same bytes left, to the byte, and every point where a Linear's walk allocates
+    (1 KiB or more) is a measured point, in order. FP8 twice: micro-step 1 (W times its scale in FP32,
+    its E4M3 copy kept), then micro-step 2, which reuses the copy as a recompute's re-run does."""
+    cfg = replace(parse_args(["--n_layer=2", "--n_embd=64", "--n_head=2", "--block_size=64", "--batch_size=2"] + argv),
+                  device="cpu")
+    model, parts = train.build(cfg, torch.device("cpu"))
+    x = torch.randn(cfg.batch_size, cfg.block_size, cfg.n_embd, dtype=parts.recipe.param_dtype, requires_grad=True)
+    z, terms = ml.timeline_sizes(cfg), dict(ml.block_activation_terms(cfg))
+    kept = memory_linear.kept_copies(replace(z, L=1), with_scales=True) if z.fp8 else []
+    for micro_step in (0, 1):
+        copies = [m.weight_copy for m in fp8.layers(model.h[0]) if m.weight_copy is not None]
+        tracker = EveryTotal("cpu")
+        with tracker:
+            tracker.adopt(list(model.parameters()) + list(model.buffers()) + [x]
+                          + [t for c in copies for t in (c.data, c.scale, c.amax)])
+            tracker.reset_peak()
+            start = tracker.read()
+            with parts.recipe.forward_context(micro_step=micro_step):
+                y = model.h[0](x)
+            measured = (tracker.peak - start, tracker.read() - start)
+        del y
+        walk = memory_timeline.Walk(0)
+        walk.step("input", new=[("0.ln_1 input", terms["ln_1 input"], SAVED)] + (kept if micro_step else []))
+        before = walk.total
+        memory_timeline.block_forward(walk, "0.", z, terms, "0.ln_1 input", "1.ln_1 input")
+        assert (walk.peak - before, walk.total - before) == measured, micro_step
+        assert len(copies) == (4 if z.fp8 and micro_step else 0)
+        points, at = [t - start for t in tracker.totals], 0
+        for i in range(1, len(walk.steps)):
+            linear = any(f".{m}.c_" in walk.steps[i] for m in ("attn", "mlp"))
+            if linear and walk.totals[i] - walk.totals[i - 1] >= 1024:
+                assert walk.totals[i] - before in points[at:], (walk.steps[i], micro_step)
+                at = points.index(walk.totals[i] - before, at)
 
 
 def test_every_gradient_is_counted_once(monkeypatch):
