@@ -40,7 +40,8 @@ import memory_timeline
 import precision
 from memory_ops import FP8_SCALES, Sizes
 
-COMPONENTS = ("parameters", "buffers", "gradients", "master", "optimizer", "activations", "inputs", "rng_states")
+COMPONENTS = ("parameters", "buffers", "gradients", "master", "optimizer", "fp8_kept", "activations", "inputs",
+              "rng_states")
 
 
 def dims(cfg):
@@ -79,54 +80,53 @@ def state_bytes(cfg):
                           per tensor, which torch keeps on the CPU (so a CUDA ledger leaves it out)
     So fp32 is 4+4+0+8 = 16 bytes/param, and bf16/fp16 2+2+4+8 = 16 bytes/param: mixed
     precision does not shrink the states (ZeRO paper, sec. 3.1), it shrinks activations and time.
-    fp8 is 2+2+4+8 as well (BF16 parameters, FP32 master), plus `fp8_weights` below.
+    fp8 is 2+2+4+8 as well (BF16 parameters, FP32 master), plus `fp8_weights` and `fp8_kept` below.
     buffers     L*s^2 bytes of future masks for attn=manual (bool (1,1,s,s) per block, model.py's
                 `future_mask`; masked_fill saves a view of it, so it is never an activation), 0 for
                 sdpa; fp8 (native) adds, per FP8Linear (4 per block), FP32 amax_history (H, 3),
                 scale (3,), step_amax (3,) and fp8_max (3,): 12H + 36 bytes (see fp8.FP8Linear).
-    fp8_weights the persistent FP8 weight copies: see fp8_weight_copies (0 for native; Transformer
-                Engine's cached E4M3 weight + transpose, formula only).
+    fp8_weights the persistent FP8 weight copies: Transformer Engine's cached E4M3 weight and
+                transpose (formula only); 0 for native (see fp8_weight_copies).
+    fp8_kept    native FP8's E4M3 weight copies, kept from micro-step 1's forward until released
+                before AdamW: alive during a step, not between steps (see fp8_weight_copies).
     """
     P, n_tensors = param_count(cfg)
     L, _, _, s, _, _ = dims(cfg)
     rec = precision.recipe(cfg)
     e = rec.element_bytes
-    native_fp8 = rec.fp8 is not None and rec.fp8.backend == "native"
+    native_fp8, copies = rec.fp8 is not None and rec.fp8.backend == "native", fp8_weight_copies(cfg)
     return dict(parameters=e * P,
                 gradients=e * P + (4 * P if (cfg.fp32_grad_accum and rec.master_weights) else 0),
                 master=4 * P if rec.master_weights else 0,
                 optimizer=8 * P + (0 if on_cuda(cfg) else 4 * n_tensors),
                 buffers=(L * s * s if cfg.attn == "manual" else 0)
                 + (L * 4 * (12 * rec.fp8.history + 36) if native_fp8 else 0),
-                fp8_weights=fp8_weight_copies(cfg)[0])
+                fp8_weights=copies["persistent"], fp8_kept=copies["kept"])
 
 
 def fp8_weight_copies(cfg):
-    """(persistent, transient) bytes of FP8 weight copies beyond the 16-bit parameters: the one
-    place the FP8 weight-copy terms of the formulas live (the walk's per-op steps are
-    memory_ops.fp8_weight_copies_in_forward). The FP8 Linears are the 4 per block: c_attn
-    3h*h, c_proj h*h, c_fc 4h*h and the MLP c_proj h*4h, 12h^2 weights per block; the tied
-    head and the embeddings stay BF16.
+    """{persistent, kept, transient} bytes of FP8 weight copies beyond the 16-bit parameters: the
+    one place their formulas live (the walk's op-by-op steps are memory_linear.py's). The FP8
+    Linears are the 4 per block, 12h^2 weights (c_attn 3h^2, c_proj h^2, c_fc 4h^2, MLP c_proj
+    4h^2); the tied head and the embeddings stay BF16.
 
-    native (fp8.FP8Linear, today's code): no persistent FP8 weight. Each forward quantizes W
-      afresh: an FP32 temporary of W (4*out*in bytes), then its E4M3 copy (out*in bytes),
-      both freed once that Linear's matmul has run. Transient: at most one Linear's at a
-      time, the largest (4h^2 weights): 5 * 4h^2 = 20h^2 bytes.
-      (Caching the E4M3 weight across micro-steps, as issue 13 plans, would make 12h^2*L
-      bytes persistent here and drop the E4M3 step from the walk.)
-    te (Transformer Engine's Linear): keeps, per Linear, its E4M3 weight and the transposed
-      E4M3 copy its backward GEMM wants, cached across steps: 2 * 12h^2 * L bytes, alive always
-      (like a parameter). FORMULA ONLY: the ledger does not measure TE, and TE's own
-      amax/scale state and cuBLAS workspace are not counted.
-    Not fp8: (0, 0).
+    native (fp8.FP8Linear): nothing persistent. kept: micro-step 1's forward quantizes each weight
+      once and keeps the E4M3 copy (out*in bytes) with its scale and amax (two 8-byte storages)
+      until accumulate.optimizer_step releases them before AdamW: 12h^2 L + 64L bytes, alive
+      during a step, never between steps (so not state: its own line); with fp8_grad=e5m2 each
+      copy gets a column-major twin at the layer's first backward, 12h^2 L more. transient: a
+      weight times its scale in FP32 while it is quantized, the largest (4h^2): 16h^2 bytes (in
+      evaluation, which keeps nothing, its E4M3 copy too: 20h^2). On CPU every FP8 GEMM also
+      looks its operands up as BF16 through int32 codes, 6 bytes per weight (fp8_gemm._look_up).
+    te (Transformer Engine's Linear): its E4M3 weight and the transposed copy, cached across
+      steps, persistent like a parameter: 2 * 12h^2 L. FORMULA ONLY: the ledger does not measure
+      TE, and TE's own amax/scale state and cuBLAS workspace are not counted.
     """
-    rec = precision.recipe(cfg)
-    L, h = cfg.n_layer, cfg.n_embd
-    if rec.fp8 is None:
-        return 0, 0
-    if rec.fp8.backend == "te":
-        return 2 * 12 * h * h * L, 0
-    return 0, 5 * 4 * h * h
+    rec, L, h = precision.recipe(cfg), cfg.n_layer, cfg.n_embd
+    if rec.fp8 is None or rec.fp8.backend == "te":
+        return dict(persistent=2 * 12 * h * h * L if rec.fp8 else 0, kept=0, transient=0)
+    twins = 2 if rec.fp8.grad == "e5m2" else 1
+    return dict(persistent=0, kept=twins * 12 * h * h * L + 4 * 16 * L, transient=4 * 4 * h * h)
 
 
 def input_bytes(cfg):
@@ -284,17 +284,18 @@ def predicted(cfg):
     """{component: bytes} for the components memory_measure.measure counts."""
     st = state_bytes(cfg)
     return dict(parameters=st["parameters"], buffers=st["buffers"], gradients=st["gradients"], master=st["master"],
-                optimizer=st["optimizer"], activations=activation_bytes(cfg), inputs=input_bytes(cfg),
-                rng_states=rng_state_bytes(cfg))
+                optimizer=st["optimizer"], fp8_kept=st["fp8_kept"], activations=activation_bytes(cfg),
+                inputs=input_bytes(cfg), rng_states=rng_state_bytes(cfg))
 
 
 def components(cfg):
     """The chapter's four components, and buffers on their own line (ZeRO-3/FSDP shards
     parameters, not buffers): master weights fold into optimizer states, TE's persistent
-    FP8 weight copies into parameters (per parameter, so they shard with them)."""
+    FP8 weight copies into parameters (per parameter, so they shard with them); native FP8's
+    weight copies kept during a step (freed before AdamW: not a parameter) on a line of their own."""
     st = state_bytes(cfg)
     return dict(parameters=st["parameters"] + st["fp8_weights"], buffers=st["buffers"], gradients=st["gradients"],
-                optimizer=st["master"] + st["optimizer"], activations=activation_bytes(cfg))
+                optimizer=st["master"] + st["optimizer"], fp8_kept=st["fp8_kept"], activations=activation_bytes(cfg))
 
 
 # ---------------------------------------------------------------- the peak
@@ -305,6 +306,7 @@ def timeline_sizes(cfg):
     rec = precision.recipe(cfg)
     core = "manual" if cfg.attn == "manual" else "math" if (not on_cuda(cfg) and cfg.dropout > 0) else "sdpa"
     return Sizes(L=L, b=b, s=s, h=h, a=a, V=V, e=rec.element_bytes, fp8=rec.fp8 is not None,
+                 fp8_te=rec.fp8 is not None and rec.fp8.backend == "te",
                  fp8_e5m2=rec.fp8 is not None and rec.fp8.grad == "e5m2",
                  loss_scaled=rec.loss_scaling != "none", bias=cfg.bias,
                  drop=cfg.dropout > 0, cuda=on_cuda(cfg), core=core)
@@ -313,7 +315,7 @@ def timeline_sizes(cfg):
 def peak_walk(cfg, shard=1):
     """memory_timeline.walk_step for cfg: the Walk over one steady-state step.
     shard=N: ZeRO-3 over N ranks: every per-parameter state and gradient / N, plus one block's
-    parameters gathered (and its gradient before the reduce-scatter); buffers are not sharded."""
+    parameters gathered (and its gradient before the reduce-scatter); buffers, kept FP8 copies whole."""
     L, h, _, _, _, V = dims(cfg)
     st, rec, (P, _) = state_bytes(cfg), precision.recipe(cfg), param_count(cfg)
     e, low = rec.element_bytes, rec.master_weights

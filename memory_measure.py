@@ -232,7 +232,8 @@ def measure(model, parts, batch, device):
     parameters, master, optimizer, buffers, inputs (the batch) and gradients are storage sizes
     on every device (gradients: the distinct storages of the .grad tensors once backward is
     done, plus the FP32 buffers with fp32_grad_accum), so they can match the formulas to the
-    byte; so are rng_states, host tensors found in the autograd graph after the forward.
+    byte; so are rng_states, host tensors found in the autograd graph after the forward, and
+    fp8_kept, the FP8Linears' kept weight copies (fp8.WeightCopy) just before the optimizer step.
     activations: saved-tensor storages on CPU, the allocator's growth over the forward on
     CUDA. Storages of parameters, buffers and the batch never count as activations.
     """
@@ -257,6 +258,10 @@ def measure(model, parts, batch, device):
             out["rng_states"] = rng_state_bytes(losses[-1])
         if name == "gradients":
             out["gradients"] = storage_bytes([p.grad for p in params] + (parts.grad_buffers or []), device)
+        if name == "step":  # the FP8 weight copies kept for this step, just before optimizer_step releases them
+            copies = [m.weight_copy for m in parts.fp8_layers if m.weight_copy is not None]
+            out["fp8_kept"] = storage_bytes([t for c in copies for t in (c.data, c.column_major, c.scale, c.amax)],
+                                            device)
         tracker.start_phase(name)
 
     try:

@@ -3,9 +3,10 @@
 Chapter sections 3 and 4 (activation memory, the ledger's peak).
 Read memory_ledger.py first (its `block_activation_terms` name every tensor a block saves),
 then memory_timeline.py (the walk over a whole step). This file is their vocabulary:
-`Walk`, and each op of model.py's Block forward and backward: Linear (nn.Linear or our
-FP8Linear), LayerNorm, dropout, and the attention core (manual, sdpa, CPU sdpa's math path).
-It is its own file because memory_timeline.py would pass the 340-line budget with it.
+`Walk`, and each op of model.py's Block forward and backward: LayerNorm, dropout, and the
+attention core (manual, sdpa, CPU sdpa's math path); the Linears (nn.Linear or our
+FP8Linear) are memory_linear.py. It is its own file because memory_timeline.py would pass
+the 340-line budget with it.
 
 The rule of the walk: an op's outputs are allocated while its inputs are still alive
 (`Walk.step`'s `new`: a candidate for the peak), and a node frees what it saved, and
@@ -16,6 +17,7 @@ hold the resulting peak to the measured one. This file imports nothing of the pr
 from dataclasses import dataclass
 
 SAVED, GRAD, FLIGHT = "activations", "parameter gradients", "in flight"
+KEPT = "FP8 weights kept for the step"  # FP8Linear's E4M3 weight copies (memory_linear.py): micro-step 1 to AdamW
 # FP8Linear saves its two FP32 scales (x_scale, w_scale: one 8-byte storage) per call: the term names
 FP8_SCALES = {"attn.c_attn": "c_attn FP8 scales", "attn.c_proj": "c_proj FP8 scales", "mlp.c_fc": "c_fc FP8 scales",
               "mlp.c_proj": "MLP c_proj FP8 scales"}
@@ -31,7 +33,8 @@ class Sizes:
     a: int
     V: int
     e: int  # bytes per activation, parameter and gradient element
-    fp8: bool  # native FP8 Linears (fp8.FP8Linear)
+    fp8: bool  # FP8 Linears: ours (fp8.FP8Linear), or Transformer Engine's walked as ours
+    fp8_te: bool  # Transformer Engine's: its weight cache is state (no copy kept for one step only)
     fp8_e5m2: bool  # their backward quantizes the output gradient to E5M2 (fp8_grad=e5m2)
     loss_scaled: bool  # the loss scaler multiplies the loss (one more scalar alive in backward)
     bias: bool
@@ -72,105 +75,16 @@ class Walk:
     def has(self, name):
         return name in self.alive
 
+    def rename(self, name, new_name, kind):
+        """The same bytes, now held as something else (a saved tensor that outlives its node)."""
+        self.alive[new_name] = (self.alive.pop(name)[0], kind)
+
 
 def flight(name, nbytes):
     return (name, nbytes, FLIGHT)
 
 
-# ---------------------------------------------------------------- Linear layers
-
-def linear_forward(walk, pre, sizes, name, x, out, n_in, n_out, saved, out_kind=FLIGHT):
-    """x (M, n_in) -> out (M, n_out). nn.Linear saves x itself (`saved` is x's name); FP8Linear
-    (fp8.py) saves an E4M3 copy of x under `saved` and makes FP32/E4M3 copies of x and W on
-    the way, gone once its forward returns: FP8 transients, see fp8_linear_forward."""
-    M = sizes.b * sizes.s
-    if sizes.fp8:
-        fp8_linear_forward(walk, pre + name, sizes, x, M, n_in, n_out, saved, pre + FP8_SCALES[name])
-    walk.step(f"{pre}{name} forward", new=[(out, M * n_out * sizes.e, out_kind)])
-    if sizes.fp8:
-        walk.step(f"{pre}{name} forward done", free=[pre + name + " W e4m3"])
-
-
-def fp8_linear_forward(walk, op, sizes, x, M, n_in, n_out, saved, scales):
-    """FP8Linear's forward before its matmul (fp8.FP8Linear.forward, _FP8LinearFunction.forward
-    and quantize, today's code): |x| and |W| for the amaxes, the two scales (saved, one 8-byte
-    storage), then x cast to an FP32 temporary, scaled and rounded to E4M3 (saved: 1 byte per
-    element), then W the same way (fp8_weight_copies_in_forward)."""
-    walk.step(op + " |x| for amax", new=[flight(op + " |x|", M * n_in * sizes.e)], free=[op + " |x|"])
-    walk.step(op + " |W| for amax", new=[flight(op + " |W|", n_out * n_in * sizes.e)], free=[op + " |W|"])
-    walk.step(op + " scales", new=[(scales, 8, SAVED)])
-    walk.step(op + " x to fp32", new=[flight(op + " x fp32", 4 * M * n_in)])
-    walk.step(op + " x to e4m3", new=[(saved, M * n_in, SAVED)], free=[op + " x fp32"])
-    fp8_weight_copies_in_forward(walk, op, n_in, n_out)
-
-
-def fp8_weight_copies_in_forward(walk, op, n_in, n_out):
-    """The FP8 weight copies of one FP8Linear forward, as today's fp8.py makes them: W cast to an
-    FP32 temporary (scaled in place), then rounded to an E4M3 copy, which lives until the
-    forward returns (linear_forward frees it as "W e4m3"). memory_ledger.fp8_weight_copies
-    states the same per config; if FP8 weights get cached across micro-steps (issue 13), the
-    E4M3 copy becomes persistent state there and leaves this walk."""
-    walk.step(op + " W to fp32", new=[flight(op + " W fp32", 4 * n_out * n_in)])
-    walk.step(op + " W to e4m3", new=[flight(op + " W e4m3", n_out * n_in)], free=[op + " W fp32"])
-
-
-def linear_backward(walk, pre, sizes, name, grad, n_in, n_out, saved, free_g):
-    """dx = g W and dW = g^T x (+ db = sum g), g the incoming gradient `grad`: returns dx's name.
-    Frees `saved` (names) and, when `free_g`, `grad` (not when a residual branch still holds it)."""
-    M, op = sizes.b * sizes.s, pre + name
-    gx = op + " dx"
-    if sizes.fp8 and sizes.fp8_e5m2:
-        fp8_e5m2_backward(walk, op, sizes, M, n_in, n_out, saved)
-    else:
-        walk.step(op + " backward: dx", new=[flight(gx, M * n_in * sizes.e)])
-    if sizes.fp8 and not sizes.fp8_e5m2:  # dW from x dequantized: its E4M3 bytes to FP32, divided by the scale, to BF16
-        dequantize(walk, op, " xf", M * n_in, sizes.e)
-        walk.step(op + " backward: dW", new=[(op + ".weight grad", n_out * n_in * sizes.e, GRAD)], free=[op + " xf16"])
-    elif not sizes.fp8:
-        walk.step(op + " backward: dW", new=[(op + ".weight grad", n_out * n_in * sizes.e, GRAD)])
-    if sizes.bias and sizes.fp8:  # g.float().sum(0).to(bf16)
-        walk.step(op + " backward: g.float()", new=[flight(op + " gf", 4 * M * n_out)])
-        walk.step(op + " backward: db", new=[flight(op + " db32", 4 * n_out)])
-        walk.step(op + " backward: db to bf16", new=[(op + ".bias grad", n_out * sizes.e, GRAD)],
-                  free=[op + " gf", op + " db32"])
-    elif sizes.bias:
-        walk.step(op + " backward: db", new=[(op + ".bias grad", n_out * sizes.e, GRAD)])
-    fp8_held = [pre + FP8_SCALES[name]] if sizes.fp8 else []
-    fp8_held += [op + " g8", op + " W e4m3"] if sizes.fp8 and sizes.fp8_e5m2 else []
-    walk.step(op + " backward done", free=[x for x in saved if x] + fp8_held + ([grad] if free_g else []))
-    return gx
-
-
-def dequantize(walk, op, name, count, e):
-    """fp8.dequantize: FP8 bytes to an FP32 copy, divided by the scale (another), down to 16 bits."""
-    walk.step(op + " dequantize: .float()", new=[flight(op + name + "32", 4 * count)])
-    walk.step(op + " dequantize: / scale", new=[flight(op + name + "d", 4 * count)], free=[op + name + "32"])
-    walk.step(op + " dequantize: to 16 bits", new=[flight(op + name + "16", count * e)], free=[op + name + "d"])
-
-
-def fp8_e5m2_backward(walk, op, sizes, M, n_in, n_out, saved):
-    """_FP8LinearFunction.backward with grad="e5m2" (TE's HYBRID), today's fp8.py: the output
-    gradient's amax and E5M2 copy; dx = g8 @ W8 with W quantized again (and laid out column-
-    major); dW = g8^T @ x8 in FP8 when the token count M is a multiple of 16, else both
-    dequantized. g8 and W8 live until the backward returns."""
-    gx, e = op + " dx", sizes.e
-    walk.step(op + " backward: |g| for amax", new=[flight(op + " |g|", M * n_out * e)], free=[op + " |g|"])
-    walk.step(op + " backward: g to fp32", new=[flight(op + " g32", 4 * M * n_out)])
-    walk.step(op + " backward: g to e5m2", new=[flight(op + " g8", M * n_out)], free=[op + " g32"])
-    fp8_weight_copies_in_forward(walk, op, n_in, n_out)  # the forward's E4M3 weight, made again
-    walk.step(op + " backward: W8 column-major", new=[flight(op + " W8c", n_out * n_in)])
-    walk.step(op + " backward: dx", new=[flight(gx, M * n_in * e)], free=[op + " W8c"])
-    if M % 16 == 0:
-        walk.step(op + " backward: g8^T contiguous", new=[flight(op + " g8t", M * n_out)])
-        walk.step(op + " backward: x8 column-major", new=[flight(op + " x8c", M * n_in)])
-        walk.step(op + " backward: dW", new=[(op + ".weight grad", n_out * n_in * e, GRAD)],
-                  free=[op + " g8t", op + " x8c"])
-    else:
-        dequantize(walk, op, " gq", M * n_out, e)
-        dequantize(walk, op, " xq", M * n_in, e)
-        walk.step(op + " backward: dW", new=[(op + ".weight grad", n_out * n_in * e, GRAD)],
-                  free=[op + " gq16", op + " xq16"])
-
+# ---------------------------------------------------------------- LayerNorm (the Linears: memory_linear.py)
 
 def layernorm_backward(walk, pre, sizes, name, grad, x, x_held):
     gx = pre + name + " dx"

@@ -99,14 +99,18 @@ def tp_components(cfg, t, sp):
         acts = len(units(cfg)) * b * s * h * e // (t if sp else 1)
     head_split = ("log-softmax output (fp32)", "loss total_weight")
     acts += sum(v // t if (sp or name in head_split) else v for name, v in head_activation_terms(cfg))
+    # native FP8: each rank keeps the E4M3 copy of its shard of every Linear weight, and its own 16-byte scale and amax
+    scalars = 4 * 16 * L if c["fp8_kept"] else 0
     return dict(parameters=int(c["parameters"] * frac), buffers=c["buffers"], gradients=int(c["gradients"] * frac),
-                optimizer=int(c["optimizer"] * frac), activations=acts)
+                optimizer=int(c["optimizer"] * frac), fp8_kept=(c["fp8_kept"] - scalars) // t + scalars,
+                activations=acts)
 
 
 def zero_components(c, n, stage):
     """ZeRO stage 1/2/3 over n data-parallel ranks (Rajbhandari et al. 2020, sec. 5): the
     optimizer states (with the FP32 master copy), then the gradients, then the parameters
-    partitioned / n. Buffers are not parameters: ZeRO-3/FSDP keeps them whole on every rank."""
+    partitioned / n. Buffers are not parameters: ZeRO-3/FSDP keeps them whole on every rank;
+    nor are native FP8's weight copies kept during a step: copies of the whole (gathered) weights."""
     out = dict(c)
     for k in ("optimizer", "gradients", "parameters")[:stage]:
         out[k] = c[k] // n
@@ -133,7 +137,8 @@ def pp_stages(cfg, p):
     n_last = L // p * block_params + (2 * h if cfg.bias else h) + V * h
 
     def stage(n, acts):
-        return dict({k: int(v * n) for k, v in per_param.items()}, buffers=c["buffers"] // p, activations=int(acts))
+        return dict({k: int(v * n) for k, v in per_param.items()}, buffers=c["buffers"] // p,
+                    fp8_kept=c["fp8_kept"] // L * (L // p), activations=int(acts))
     return (stage(n_first, p * (L // p * block_acts + embed_acts)),
             stage(n_last, L // p * block_acts + head_acts))
 

@@ -2,9 +2,12 @@
 
 Chapter section 3 (what recomputation costs and saves) and 4 (the ledger's peak).
 Read memory_ledger.py first (block_activation_terms: the tensors one block saves), then
-memory_ops.py (each op's allocations and frees), then `walk_step` here: the state after
-forward, the head's backward, each block's (or recompute unit's) backward last to first,
-the embeddings', then the optimizer step. memory_ledger.peak_estimate calls it.
+memory_ops.py and memory_linear.py (each op's allocations and frees), then `walk_step`
+here: the state after forward, the head's backward, each block's (or recompute unit's)
+backward last to first, the embeddings', then the optimizer step. The step is
+accumulation_step with one micro-batch (K = 1), as memory_measure.measure runs it:
+micro-step 1, where native FP8 quantizes each weight and keeps the E4M3 copy until just
+before AdamW (memory_linear.py). memory_ledger.peak_estimate calls it.
 
 Under each policy (checkpoint.py):
   none       every block's saved tensors are alive when backward starts; each block frees
@@ -16,10 +19,13 @@ Under each policy (checkpoint.py):
              block of the unit saves everything again) and walks back through it, while
              the unit's input, its recomputed output and incoming gradient stay held.
 Only the backward re-runs are walked: a unit's first, no-grad forward frees as it goes and
-never holds more than its re-run in backward does.
+never holds more than its re-run in backward does (it makes the kept FP8 copies, which the
+re-run reuses). With K > 1 micro-steps this is micro-step 1 only: micro-steps 2..K start
+with the earlier ones' .grad alive (unless FP32 sums took them) and the FP8 copies kept.
 """
-from memory_ops import (FLIGHT, GRAD, SAVED, Walk, core_backward, core_forward, dropout_forward, flight,
-                        layernorm_backward, linear_backward, linear_forward, qkv_grad)
+from memory_linear import kept_copies, linear_backward, linear_forward
+from memory_ops import (FLIGHT, GRAD, KEPT, SAVED, Walk, core_backward, core_forward, dropout_forward, flight,
+                        layernorm_backward, qkv_grad)
 
 
 def block_forward(walk, pre, sizes, terms, x, out):
@@ -135,12 +141,16 @@ def walk_step(sizes, static, terms, kept_terms, head_terms, policy, units, group
     gradients the optimizer step makes (4 per parameter; 0 for fp32). fp32_sums: with
     FP32 accumulation buffers those copies are made right after backward instead, added
     into the buffers and freed with the 16-bit .grad (accumulate.accumulation_step).
+    Native FP8's kept weight copies are alive from the forward (memory_linear.kept_copies; a
+    forward that saves, under none/selective, shares their scales with its saved tensors).
     """
     walk, e = Walk(static, shard), sizes.e
     if units:
         kept = [(f"unit {u} input", sizes.bsh * e, SAVED) for u in range(len(units))]
     else:
         kept = [(f"{i}.{name}", v, SAVED) for i in range(sizes.L) for name, v in kept_terms.items()]
+    # native FP8: every Linear's E4M3 weight, quantized in this micro-step's forward, kept till AdamW
+    kept += kept_copies(sizes, with_scales=bool(units)) if sizes.fp8 and not sizes.fp8_te else []
     walk.step("end of forward", new=kept + [("head." + name, v, SAVED) for name, v in head_terms.items()]
               + [flight("loss", 4), flight("loss x weight", 4)]
               + ([flight("loss x scale", 4)] if sizes.loss_scaled else []))
@@ -154,6 +164,10 @@ def walk_step(sizes, static, terms, kept_terms, head_terms, policy, units, group
                                   selective=policy == "selective")
     embedding_backward(walk, sizes, grad)
     walk.step("backward done", free=["loss x weight", "seed"] + (["loss x scale"] if sizes.loss_scaled else []))
+    if fp32_sums:  # accumulate.accumulation_step adds the 16-bit gradients into the FP32 buffers first
+        grads = [name for name, (_, kind) in walk.alive.items() if kind == GRAD]
+        walk.step("FP32 sums: every .grad as FP32", new=[flight("grads as fp32", master_grads // shard)],
+                  free=["grads as fp32"] + grads)
     walk.step("the step's running mean loss", new=[flight("running loss", 4)])  # accumulate.py's total_loss
     optimizer_step(walk, groups, master_grads, fp32_sums, shard)
     return walk
@@ -191,13 +205,13 @@ def embedding_backward(walk, sizes, grad):
 
 
 def optimizer_step(walk, groups, master_grads, fp32_sums, shard):
-    """precision.MasterWeightOptimizer.step: FP32 copies of the gradients (16-bit precisions),
+    """accumulate.optimizer_step: the kept FP8 weights released (the weights are about to change),
+    then precision.MasterWeightOptimizer.step: FP32 copies of the gradients (16-bit precisions),
     then torch's foreach AdamW, whose sqrt(v) is an FP32 temporary the size of each group."""
-    if fp32_sums:  # the FP32 buffers are the optimizer's gradients: no copy at the step
-        grads = [name for name, (_, kind) in walk.alive.items() if kind == GRAD]
-        walk.step("FP32 sums: every .grad as FP32", new=[flight("grads as fp32", master_grads // shard)],
-                  free=["grads as fp32"] + grads)
-    elif master_grads:
+    kept = [name for name, (_, kind) in walk.alive.items() if kind == KEPT]
+    if kept:
+        walk.step("FP8 weight copies released", free=kept)
+    if master_grads and not fp32_sums:  # the FP32 buffers are the optimizer's gradients: no copy at the step
         walk.step("optimizer step: FP32 master gradients", new=[flight("master grads", master_grads // shard)])
     for group, count in enumerate(groups):
         walk.step(f"optimizer step: AdamW sqrt(v), group {group}", new=[flight("sqrt v", 4 * count // shard)],

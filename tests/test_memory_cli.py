@@ -28,7 +28,7 @@ def test_cli_prints_table_and_writes_svg(tmp_path, capsys):
     rects = [r for r in root.iter("{http://www.w3.org/2000/svg}rect")]
     n_rows = sum(1 for line in out.splitlines() if line.endswith(("measured", "formula")) or "; measured" in line)
     keys = len(ledger_report.KEYS)
-    assert len(rects) == keys + keys * n_rows  # legend + five stacked components (buffers their own) per technique
+    assert len(rects) == keys + keys * n_rows  # legend + six stacked components per technique (KEYS)
     assert not list(tmp_path.glob("*.tmp*"))
 
 

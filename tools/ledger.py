@@ -100,7 +100,7 @@ def format_comparison(cfg, rows, meas):
 
 def _measured_components(m):
     return dict(parameters=m["parameters"], buffers=m["buffers"], gradients=m["gradients"],
-                optimizer=m["master"] + m["optimizer"], activations=m["activations"])
+                optimizer=m["master"] + m["optimizer"], fp8_kept=m["fp8_kept"], activations=m["activations"])
 
 
 def fp8_on_cpu_row(cfg, device, checks):

@@ -3,9 +3,10 @@
 A tool, split from tools/ledger.py (which decides what to measure and check) so that each
 stays short: this file turns rows into text and a picture.
 """
-KEYS = ("parameters", "buffers", "gradients", "optimizer", "activations")  # buffers: their own line everywhere
+# buffers and native FP8's weight copies kept during a step (memory_ledger.components): their own lines everywhere
+KEYS = ("parameters", "buffers", "gradients", "optimizer", "fp8_kept", "activations")
 COLORS = dict(parameters="#4e79a7", buffers="#9c755f", gradients="#f28e2b", optimizer="#e15759",
-              activations="#59a14f")
+              fp8_kept="#b07aa1", activations="#59a14f")
 
 
 def fmt_bytes(n):
@@ -17,10 +18,10 @@ def fmt_bytes(n):
 
 def format_table(rows):
     lines = [f"{'technique':34} {'parameters':>11} {'buffers':>11} {'gradients':>11} {'optim+master':>12} "
-             f"{'activations':>11} {'total':>11}  how"]
+             f"{'fp8 kept':>11} {'activations':>11} {'total':>11}  how"]
     for name, c, how in rows:
         lines.append(f"{name:34} {fmt_bytes(c['parameters']):>11} {fmt_bytes(c['buffers']):>11} "
-                     f"{fmt_bytes(c['gradients']):>11} {fmt_bytes(c['optimizer']):>12} "
+                     f"{fmt_bytes(c['gradients']):>11} {fmt_bytes(c['optimizer']):>12} {fmt_bytes(c['fp8_kept']):>11} "
                      f"{fmt_bytes(c['activations']):>11} {fmt_bytes(sum(c[k] for k in KEYS)):>11}  {how}")
     return "\n".join(lines)
 
