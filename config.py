@@ -46,7 +46,7 @@ class Config:
     # data and output
     data: str = key("", "a text file or folder of text files; empty = this Python's standard library .py files")
     out_dir: str = key("out", "where snapshot.pt (and the tools' reports) go")
-    seed: int = key(1337, "seed of the initial weights, the batches and dropout")
+    seed: int = key(1337, "seed of the initial weights, the batches and dropout", at_least=0, at_most=2 ** 63 - 1)
     device: str = key("auto", "auto = cuda when there is one", DEVICES)
     # model (model.py)
     n_layer: int = key(4, "transformer blocks, L", at_least=1)
@@ -147,11 +147,29 @@ def validate(cfg):
             value = float(cfg.loss_scale)
         except ValueError:
             raise UsageError(f"loss_scale must be auto|dynamic|none|<number>, got {cfg.loss_scale!r}") from None
-        if not (value > 0 and math.isfinite(value)):
-            raise UsageError(f"a static loss_scale must be a positive finite number, got {cfg.loss_scale!r}")
+        # the scaled loss and its gradients are FP32 numbers: a scale out of FP32's range is inf or 0
+        if not (1 / FP32_MAX <= value <= FP32_MAX):
+            raise UsageError(f"a static loss_scale must be a positive number within FP32's range, "
+                             f"got {cfg.loss_scale!r}")
+    check_meaningful(cfg)
     if cfg.precision == "fp8":
         validate_fp8(cfg)
     return cfg
+
+
+def check_meaningful(cfg):
+    """Keys that would be silently ignored by this config are refused instead."""
+    defaults = Config()
+    if cfg.precision != "fp8":
+        changed = [k for k in ("fp8_backend", "fp8_recipe", "fp8_amax_history", "fp8_margin", "fp8_grad")
+                   if getattr(cfg, k) != getattr(defaults, k)]
+        if changed:
+            raise UsageError(f"--{changed[0]} applies to precision=fp8 only, this run has precision={cfg.precision}")
+    dynamic = cfg.loss_scale == "dynamic" or (cfg.loss_scale == "auto" and cfg.precision == "fp16")
+    if cfg.loss_scale_hysteresis != 1 and not dynamic:
+        raise UsageError("--loss_scale_hysteresis applies to dynamic loss scaling (fp16, or loss_scale=dynamic)")
+    if cfg.fp32_grad_accum and cfg.precision == "fp32":
+        raise UsageError("--fp32_grad_accum sums 16-bit gradients in FP32; with precision=fp32 they already are")
 
 
 def validate_fp8(cfg):

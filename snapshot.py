@@ -20,20 +20,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import RunError, UsageError
+from config import Config, RunError, UsageError
 
 FILE = "snapshot.pt"
 # the keys that must agree between a snapshot and the run that resumes from (or samples) it
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "precision")
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "precision")
 FP8_SHAPE_KEYS = ("fp8_backend", "fp8_amax_history")  # the FP8 state (TE's or our amax history) has a shape
-TEMP = re.compile(r".+\.tmp(\d+)")  # write_atomically's temporary files: NAME.tmp<pid>
+TEMP = re.compile(r".+\.partial-memtrain-(\d+)")  # write_atomically's temporary files: NAME.partial-memtrain-<pid>
 
 
 def write_atomically(path, write):
     """write(fh) into a temporary file beside `path`, fsync, then rename it over `path`:
     a crash mid-write leaves the previous file intact (or none), never a half-written one."""
     path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp = path.with_name(path.name + f".partial-memtrain-{os.getpid()}")  # a name no user file has
     try:
         with open(tmp, "wb") as fh:
             write(fh)
@@ -79,7 +79,7 @@ def check_writable(folder, flag):
                 made.append(parent)
         if not folder.is_dir():
             raise NotADirectoryError(f"{folder} is not a folder")
-        probe = folder / f".probe.tmp{os.getpid()}"
+        probe = folder / f".probe.partial-memtrain-{os.getpid()}"
         probe.write_bytes(b"probe")
         probe.unlink()
     except OSError as e:
@@ -134,9 +134,15 @@ def validate(state, path):
     need(state["rng"] and all(isinstance(r, dict) and {"cpu", "batch"} <= set(r) for r in state["rng"]),
          "no random streams")
     need(all(k in state["config"] for k in SHAPE_KEYS), "its config lacks the model's shape")
+    kinds = {f.name: f.type for f in dataclasses.fields(Config)}
+    for name, value in state["config"].items():
+        kind = kinds.get(name)
+        fits = kind is not None and isinstance(value, (int, float) if kind is float else kind) and \
+            (kind is bool or not isinstance(value, bool))
+        need(fits, f"config entry {name}={value!r} is not a {getattr(kind, '__name__', 'known')} key of Config")
 
 
-def check_fits(state, cfg, fp8, path):
+def check_same_model(state, cfg, fp8, path):
     """Raise UsageError unless the snapshot was written by a model of cfg's shape (fp8: with FP8
     state), and on the same learning-rate schedule."""
     keys = SHAPE_KEYS + (FP8_SHAPE_KEYS if fp8 else ())

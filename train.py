@@ -135,7 +135,7 @@ def preflight(cfg, device, rank):
     snap, path = None, Path(cfg.out_dir) / snapshot.FILE
     if cfg.resume:
         snap = snapshot.read(path)
-        snapshot.check_fits(snap, cfg, precision.recipe(cfg).fp8 is not None, path)
+        snapshot.check_same_model(snap, cfg, precision.recipe(cfg).fp8 is not None, path)
     tokens = split_tokens(load_tokens(cfg.data), cfg.block_size)
     if rank == 0:  # the writer of snapshots: its folder must take them, and a killed run's leftovers go
         snapshot.check_writable(cfg.out_dir, "--out_dir")

@@ -29,7 +29,7 @@ def test_cli_prints_table_and_writes_svg(tmp_path, capsys):
     n_rows = sum(1 for line in out.splitlines() if line.endswith(("measured", "formula")) or "; measured" in line)
     keys = len(ledger_report.KEYS)
     assert len(rects) == keys + keys * n_rows  # legend + six stacked components per technique (KEYS)
-    assert not list(tmp_path.glob("*.tmp*"))
+    assert not list(tmp_path.glob("*.partial-memtrain-*"))
 
 
 def test_fp8_row_on_cpu_is_checked_at_a_tiny_shape(tmp_path, capsys):
@@ -86,9 +86,12 @@ def test_bad_config_exits_2(argv, needle):
     assert r.stdout == ""
 
 
-def test_fp8_row_ignores_te_backend(tmp_path, capsys):
-    # --fp8_backend=te with bf16: the table's FP8 row is measured with the native backend
-    rc = tool.main(TINY + ["--precision=bf16", "--fp8_backend=te", "--accum=2", f"--out_dir={tmp_path}"])
+def test_table_has_both_fp8_rows_and_an_fp8_key_needs_fp8(tmp_path, capsys):
+    # a bf16 run's table still has its FP8 rows (native measured, TE a formula) ...
+    rc = tool.main(TINY + ["--precision=bf16", "--accum=2", f"--out_dir={tmp_path}"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "FP8 (native)" in out and "FP8 (Transformer Engine)" in out and "K=2 (micro-b 1)" in out
+    # ... and an fp8_* key given with another precision would be ignored: refused instead
+    assert tool.main(TINY + ["--precision=bf16", "--fp8_backend=te", f"--out_dir={tmp_path / 'o'}"]) == 2
+    assert "applies to precision=fp8 only" in capsys.readouterr().err

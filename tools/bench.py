@@ -130,14 +130,94 @@ def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def ddp_rows(base, steps):
+def run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, planned, dry):
+    """The rows of `sections` in order. dry: run nothing, only collect each row's flags in `planned`."""
+    on_cpu, say = device.type == "cpu", ((lambda *a, **k: None) if dry else print)
+    base_keys = {a.split("=")[0] for a in base}
+    rows = []
+
+    def add(section, flags, label=None, **kw):
+        if section == "precision" and "--precision=fp16" in flags and on_cpu:
+            kw = dict(kw, steps=1, warmup=1)  # fp16 matmuls run at ~1 GFLOP/s on CPU: one timed step
+        flags = overridden(base, flags)
+        planned.append(flags)
+        if dry:  # a stand-in row, so that the comparisons below can run
+            return dict(tokens_per_s=1.0, ms_per_step=1.0)
+        row = run_row_in_subprocess(flags, kw.get("steps", steps), kw.get("warmup", warmup),
+                                    kw.get("autocast_reference", False))
+        row["section"], row["label"] = section, label or row["precision"]
+        rows.append(row)
+        say(f"{section:9} {row['label']:17} {row['ckpt']:9} {fmt(row['tokens_per_s'], 'f1'):>12} tok/s "
+              f"{fmt(row['ms_per_step'], 'f1'):>10} ms/step  MFU {fmt(row['mfu'], 'pct'):>6}  "
+              f"HFU {fmt(row.get('hfu'), 'pct'):>6}  peak {fmt(row['peak_mem_bytes'], 'mem'):>9}  "
+              f"activations {fmt(row['activation_bytes'], 'mem'):>9}", flush=True)
+        return row
+
+    say(f"{'section':9} {'precision':17} {'ckpt':9} {'tokens/s':>18} {'ms/step':>18}")
+    if "precision" in sections:
+        for p in ("fp32", "bf16", "fp16", "fp8"):
+            if p == "fp8" and fp8_error:
+                say(f"precision fp8: skipped, {fp8_error}")
+                continue
+            add("precision", [f"--precision={p}"] + (["--fp8_backend=native"] if p == "fp8" else []))
+        if te_error:
+            say(f"precision fp8 te: skipped, {te_error}")
+        else:
+            add("precision", ["--precision=fp8", "--fp8_backend=te"], label="fp8 te")
+        add("precision", ["--precision=fp32"], autocast_reference=True)
+    if "ckpt" in sections:
+        prec = [] if "--precision" in base_keys else ["--precision=bf16"]
+        none = None
+        for policy in ("none", "full", "sqrt", "selective"):
+            segment = [] if policy == "sqrt" else ["--ckpt_segment=0"]  # a base CKPT_SEGMENT is sqrt's only
+            row = add("ckpt", prec + [f"--ckpt={policy}", "--attn=manual"] + segment)
+            none = none or row
+            row["time_vs_none"] = row["ms_per_step"] / none["ms_per_step"]
+            say(f"{'':9} {'':17} {policy:9} time x{row['time_vs_none']:.2f} of none")
+    if "memory" in sections:
+        # a config where activations dominate: long context, bigger micro-batch
+        shape = ["--block_size=1024", "--batch_size=16"]
+        prec = [] if "--precision" in base_keys else ["--precision=bf16"]
+        for policy in ("none", "selective", "sqrt", "full"):
+            segment = [] if policy == "sqrt" else ["--ckpt_segment=0"]
+            add("memory", prec + shape + [f"--ckpt={policy}", "--attn=manual"] + segment, steps=2, warmup=1)
+    if "fp8wide" in sections and (fp8_error or on_cpu):
+        say(f"fp8wide: skipped, {fp8_error or 'for GPUs (width 4096 takes minutes a step on CPU)'}")
+    elif "fp8wide" in sections:
+        for width, (heads, layers) in WIDE.items():
+            wide = [f"--n_embd={width}", f"--n_head={heads}", f"--n_layer={layers}", "--block_size=1024",
+                    "--batch_size=8", "--attn=sdpa"]
+            bf16 = add("fp8wide", wide + ["--precision=bf16"], label=f"bf16 w{width}")
+            for name, flags in FP8_ROWS:
+                if name == "fp8 te" and te_error:
+                    say(f"fp8wide {name} w{width}: skipped, {te_error}")
+                    continue
+                row = add("fp8wide", wide + flags, label=f"{name} w{width}")
+                row["speedup_vs_bf16"] = row["tokens_per_s"] / bf16["tokens_per_s"]
+                say(f"{'':9} {name} / bf16 tokens/s at width {width} = {row['speedup_vs_bf16']:.2f}x", flush=True)
+    if "ddp" in sections and dry:
+        planned += [ddp_flags(base, no_sync, steps, cfg.out_dir) for no_sync in ("true", "false")]
+    elif "ddp" in sections:
+        for row in ddp_rows(base, steps, cfg.out_dir):
+            row["section"] = "ddp"
+            rows.append(row)
+            say(f"ddp       {row['precision']:17} no_sync={str(row['no_sync']):5} nproc 2 accum 4 "
+                  f"{row['ms_per_step']:10.1f} ms/step {row['tokens_per_s']:12,.0f} tok/s", flush=True)
+    return rows
+
+
+def ddp_flags(base, no_sync, steps, out_dir):
+    return overridden(base, ["--accum=4", f"--no_sync={no_sync}", f"--max_iters={steps + 2}", "--log_interval=1",
+                             "--eval_interval=100000", "--sample_tokens=0", "--ledger=false",
+                             "--total_batch_tokens=0", f"--out_dir={Path(out_dir) / 'bench-ddp'}"])
+
+
+def ddp_rows(base, steps, out_dir):
     """Step time on 2 processes (gloo on CPU) with accum=4, with and without no_sync."""
     rows = []
     for no_sync in ("true", "false"):
-        iters = steps + 2
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-               *base, "--accum=4", f"--no_sync={no_sync}", f"--max_iters={iters}", "--log_interval=1",
-               "--eval_interval=100000", "--sample_tokens=0", "--ledger=false", "--out_dir=out/bench-ddp"]
+               *ddp_flags(base, no_sync, steps, out_dir)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, env=env)
         lines = [l for l in r.stdout.splitlines() if " ms/step" in l][2:]  # one line per step; 2 warm-up
@@ -198,71 +278,16 @@ def run_sections(argv):
     ignored = given(argv) & {"resume", "sample_only", "memory_snapshot"}
     if ignored:
         raise UsageError(f"--{', --'.join(sorted(ignored))}: the benchmark times fresh runs, nothing else applies")
-    on_cpu = device.type == "cpu"
     fp8_error = fp8.fp8_matmul_error(device)
+    if not fp8_error and cfg.n_embd % 16:
+        fp8_error = f"n_embd={cfg.n_embd} is not a multiple of 16 (an FP8 GEMM rule)"
     te_error = fp8_error or te_unavailable(device)
-    base_keys = {a.split("=")[0] for a in base}
-    rows = []
-
-    def add(section, flags, label=None, **kw):
-        if section == "precision" and "--precision=fp16" in flags and on_cpu:
-            kw = dict(kw, steps=1, warmup=1)  # fp16 matmuls run at ~1 GFLOP/s on CPU: one timed step
-        row = run_row_in_subprocess(overridden(base, flags), kw.get("steps", steps), kw.get("warmup", warmup),
-                                    kw.get("autocast_reference", False))
-        row["section"], row["label"] = section, label or row["precision"]
-        rows.append(row)
-        print(f"{section:9} {row['label']:17} {row['ckpt']:9} {fmt(row['tokens_per_s'], 'f1'):>12} tok/s "
-              f"{fmt(row['ms_per_step'], 'f1'):>10} ms/step  MFU {fmt(row['mfu'], 'pct'):>6}  "
-              f"HFU {fmt(row.get('hfu'), 'pct'):>6}  peak {fmt(row['peak_mem_bytes'], 'mem'):>9}  "
-              f"activations {fmt(row['activation_bytes'], 'mem'):>9}", flush=True)
-        return row
-
-    print(f"{'section':9} {'precision':17} {'ckpt':9} {'tokens/s':>18} {'ms/step':>18}")
-    if "precision" in sections:
-        for p in ("fp32", "bf16", "fp16", "fp8"):
-            if p == "fp8" and fp8_error:
-                print(f"precision fp8: skipped, {fp8_error}")
-                continue
-            add("precision", [f"--precision={p}"] + (["--fp8_backend=native"] if p == "fp8" else []))
-        if te_error:
-            print(f"precision fp8 te: skipped, {te_error}")
-        else:
-            add("precision", ["--precision=fp8", "--fp8_backend=te"], label="fp8 te")
-        add("precision", ["--precision=fp32"], autocast_reference=True)
-    if "ckpt" in sections:
-        prec = [] if "--precision" in base_keys else ["--precision=bf16"]
-        none = None
-        for policy in ("none", "full", "sqrt", "selective"):
-            row = add("ckpt", prec + [f"--ckpt={policy}", "--attn=manual"])
-            none = none or row
-            row["time_vs_none"] = row["ms_per_step"] / none["ms_per_step"]
-            print(f"{'':9} {'':17} {policy:9} time x{row['time_vs_none']:.2f} of none")
-    if "memory" in sections:
-        # a config where activations dominate: long context, bigger micro-batch
-        shape = ["--block_size=1024", "--batch_size=16"]
-        prec = [] if "--precision" in base_keys else ["--precision=bf16"]
-        for policy in ("none", "selective", "sqrt", "full"):
-            add("memory", prec + shape + [f"--ckpt={policy}", "--attn=manual"], steps=2, warmup=1)
-    if "fp8wide" in sections and (fp8_error or on_cpu):
-        print(f"fp8wide: skipped, {fp8_error or 'for GPUs (width 4096 takes minutes a step on CPU)'}")
-    elif "fp8wide" in sections:
-        for width, (heads, layers) in WIDE.items():
-            wide = [f"--n_embd={width}", f"--n_head={heads}", f"--n_layer={layers}", "--block_size=1024",
-                    "--batch_size=8", "--attn=sdpa"]
-            bf16 = add("fp8wide", wide + ["--precision=bf16"], label=f"bf16 w{width}")
-            for name, flags in FP8_ROWS:
-                if name == "fp8 te" and te_error:
-                    print(f"fp8wide {name} w{width}: skipped, {te_error}")
-                    continue
-                row = add("fp8wide", wide + flags, label=f"{name} w{width}")
-                row["speedup_vs_bf16"] = row["tokens_per_s"] / bf16["tokens_per_s"]
-                print(f"{'':9} {name} / bf16 tokens/s at width {width} = {row['speedup_vs_bf16']:.2f}x", flush=True)
-    if "ddp" in sections:
-        for row in ddp_rows(base, steps):
-            row["section"] = "ddp"
-            rows.append(row)
-            print(f"ddp       {row['precision']:17} no_sync={str(row['no_sync']):5} nproc 2 accum 4 "
-                  f"{row['ms_per_step']:10.1f} ms/step {row['tokens_per_s']:12,.0f} tok/s", flush=True)
+    # every row's flags are checked before the first row runs: a bad one must not cost minutes
+    planned = []
+    run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, planned, dry=True)
+    for flags in planned:
+        parse_args(flags)
+    rows = run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, [], dry=False)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_atomically(out / "bench.jsonl", lambda fh: fh.write("".join(json.dumps(r) + "\n" for r in rows).encode()))
