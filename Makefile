@@ -71,10 +71,10 @@ chapter: $(DEPS)
 	$(PY) tools/chapter.py $(FLAGS)
 
 dtypes: $(DEPS)
-	$(PY) tools/demos.py dtypes
+	$(PY) tools/demos.py dtypes $(FLAGS)
 
 underflow: $(DEPS)
-	$(PY) tools/demos.py underflow
+	$(PY) tools/demos.py underflow $(FLAGS)
 
 flops: $(DEPS)
 	$(PY) tools/demos.py flops $(FLAGS)

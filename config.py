@@ -4,8 +4,8 @@ Chapter: none by itself; every section's switch is a key here (PRECISION, ACCUM,
 Read first: `Config` (each key with its one-line meaning), then `validate`.
 
 Every key is a command-line flag (`--n_layer=8`) and, in capitals, a make variable
-(`make train N_LAYER=8` is not offered for all of them: see the Makefile; `ARGS=` takes
-any). The chapter files read a Config; they never parse arguments themselves. Bad input
+(`make train N_LAYER=8`; the Makefile lists every key, and `ARGS=` passes a tool's own
+flags). The chapter files read a Config; they never parse arguments themselves. Bad input
 raises `UsageError`, which the programs print as one line and exit with status 2.
 """
 import math

@@ -27,7 +27,7 @@ from fp8_gemm import E4M3, E5M2, column_major, dequantize, fp8_matmul_error, fp8
 class Settings:
     """The FP8 choices of a run, made once by precision.recipe() from the fp8_* keys."""
     backend: str = "native"  # native (this file) | te (Transformer Engine, fp8_te.py)
-    recipe: str = "delayed"  # delayed (scale from an amax history) | current (from this tensor's amax)
+    scaling: str = "delayed"  # FP8_RECIPE: delayed (scale from an amax history) | current (this tensor's amax)
     history: int = 16  # amax history length (delayed)
     margin: int = 0  # scale = fp8_max / amax / 2**margin
     grad: str = "bf16"  # bf16: BF16 backward (the chapter) | e5m2: output gradients in E5M2 (TE's HYBRID)

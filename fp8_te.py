@@ -70,7 +70,7 @@ def check_available(device):
 def _te_recipe(settings):
     """One TE recipe object per fp8.Settings: TE keys its global amax buffers by recipe."""
     _, te_recipe = _te()
-    if settings.recipe == "current":
+    if settings.scaling == "current":
         if not hasattr(te_recipe, "Float8CurrentScaling"):
             raise ValueError("fp8_recipe=current needs Transformer Engine >= 2.2; use fp8_recipe=delayed")
         return te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.HYBRID)

@@ -274,7 +274,8 @@ def measure(model, parts, batch, device):
     finally:
         hook.remove()
     out["phase"] = dict(before=before, **phase)
-    # CUDA: the allocator's growth over the forward, less the 4-byte loss that is its output
+    # CUDA: the allocator's growth over the forward (the 4-byte loss, its output, rides along in
+    # one 512-byte block: part of the slack CudaAllocator's docstring accounts for)
     out["activations"] = phase["backward"] - before if cuda else out["saved"]
     out["peak"], out["peak_phase"] = tracker.peak, tracker.peak_phase
     return out

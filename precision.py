@@ -75,7 +75,7 @@ class Recipe:
             return default_linear
         if self.fp8.backend == "te":
             return fp8_te.linear_factory(self.fp8)
-        return functools.partial(fp8.FP8Linear, recipe=self.fp8.recipe, amax_history=self.fp8.history,
+        return functools.partial(fp8.FP8Linear, recipe=self.fp8.scaling, amax_history=self.fp8.history,
                                  margin=self.fp8.margin, grad=self.fp8.grad)
 
     def forward_context(self, micro_step=None):
@@ -133,7 +133,7 @@ def recipe(cfg):
         scaling, static_scale = "static", float(cfg.loss_scale)
     settings = None
     if cfg.precision == "fp8":
-        settings = fp8.Settings(backend=cfg.fp8_backend, recipe=cfg.fp8_recipe, history=cfg.fp8_amax_history,
+        settings = fp8.Settings(backend=cfg.fp8_backend, scaling=cfg.fp8_recipe, history=cfg.fp8_amax_history,
                                 margin=cfg.fp8_margin, grad=cfg.fp8_grad)
     dtype = PARAM_DTYPE[cfg.precision]
     return Recipe(name=cfg.precision, param_dtype=dtype, master_weights=dtype != torch.float32,

@@ -139,7 +139,8 @@ def validate(state, path):
         kind = kinds.get(name)
         fits = kind is not None and isinstance(value, (int, float) if kind is float else kind) and \
             (kind is bool or not isinstance(value, bool))
-        need(fits, f"config entry {name}={value!r} is not a {getattr(kind, '__name__', 'known')} key of Config")
+        what = getattr(kind, "__name__", "no such key")
+        need(fits, f"config entry {name}={value!r} is not Config's {name} ({what})")
 
 
 def check_same_model(state, cfg, fp8, path):

@@ -99,6 +99,14 @@ CASES = [
     (["--resume"], "model entry wte.weight holds inf or NaN", nan_weights),
     (["--resume"], "the snapshot holds", shorter_masters),
     (["--resume", "--max_iters=4"], "pass --lr_decay_iters=2", None),
+    (["--resume"], "config entry n_layer='1' is not Config's n_layer (int)", lambda st: {**st, "config": {**st["config"], "n_layer": "1"}}),
+    (["--resume", "--vocab_size=300"], "vocab_size=256 (now 300)", None),
+    (["--loss_scale=1e39"], "within FP32's range", None),
+    (["--loss_scale=1e-320"], "within FP32's range", None),
+    (["--seed=99999999999999999999"], "--seed must be <=", None),
+    (["--fp8_backend=te"], "applies to precision=fp8 only", None),
+    (["--loss_scale_hysteresis=2"], "applies to dynamic loss scaling", None),
+    (["--precision=fp32", "--fp32_grad_accum"], "with precision=fp32 they already are", None),
 ]
 
 
@@ -123,6 +131,8 @@ def test_bad_input_leaves_everything_alone(program, flags, words, damage, out_di
         broken_snapshot(out_dir, damage)
     before = listing(out_dir)
     named = {f.partition("=")[0] for f in flags}  # the case's own flags go in as given (twice, if so)
+    if program == "tools/ledger.py":  # it refuses the training loop's keys: it runs no loop
+        named |= {"--max_iters", "--sample_tokens", "--log_interval", "--eval_interval", "--ledger"}
     argv = [f for f in merged(*TINY, f"--out_dir={out_dir}") if f.partition("=")[0] not in named] + flags
     code, err = run_main(PROGRAMS[program], argv, capsys)
     assert code == 2, err
@@ -152,6 +162,28 @@ def test_read_only_out_dir_and_unreadable_data(tmp_path, capsys):
     assert code == 2 and "cannot be written" in err and err.count("\n") == 1
     code, err = run_main(train.main, merged(*TINY, f"--out_dir={tmp_path / 'o'}", f"--data={data}"), capsys)
     assert code == 2 and "cannot be read" in err and err.count("\n") == 1
+
+
+def test_an_out_dir_the_system_refuses_is_found_before_training(tmp_path, capsys, monkeypatch):
+    """A read-only folder, as a non-root user meets it: the probe write is refused."""
+    real = type(tmp_path).write_bytes
+
+    def refused(path, data):
+        if ".probe." in path.name:
+            raise PermissionError(13, "Permission denied")
+        return real(path, data)
+    monkeypatch.setattr(type(tmp_path), "write_bytes", refused)
+    code, err = run_main(train.main, merged(*TINY, f"--out_dir={tmp_path / 'ro'}"), capsys)
+    assert code == 2 and err == f"error: --out_dir={tmp_path / 'ro'} cannot be written: Permission denied\n"
+    assert not (tmp_path / "ro").exists()  # the folder made for the probe is gone again
+
+
+def test_files_of_the_user_are_not_taken_for_leftovers(out_dir):
+    for name in ("results.tmp4000000", "draft.tmp99999", "notes.partial-memtrain"):
+        (out_dir / name).write_text("mine")
+    assert train.main(merged(*TINY, f"--out_dir={out_dir}", "--max_iters=3", "--lr_decay_iters=2", "--resume")) == 0
+    assert all((out_dir / n).read_text() == "mine" for n in ("results.tmp4000000", "draft.tmp99999",
+                                                            "notes.partial-memtrain"))
 
 
 def test_a_pipe_as_data_is_refused_without_reading_it(tmp_path, capsys):

@@ -132,4 +132,4 @@ def test_a_recipe_is_decided_once_from_the_loss_scale_keys():
     static = precision.recipe(Config(precision="fp16", loss_scale="1024")).loss_scaler()
     assert static.mode == "static" and static.loss_scale == 1024.0
     te = precision.recipe(Config(precision="fp8", fp8_backend="te", fp8_recipe="current", fp8_amax_history=4))
-    assert te.fp8 == fp8.Settings(backend="te", recipe="current", history=4, margin=0, grad="bf16")
+    assert te.fp8 == fp8.Settings(backend="te", scaling="current", history=4, margin=0, grad="bf16")

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 import train  # noqa: E402
 from config import UsageError, given, key, parse_args, usage  # noqa: E402
 from snapshot import check_writable, write_atomically  # noqa: E402
-from tools import chapter_runs as s1  # noqa: E402
-from tools import chapter_runs_memory as s234  # noqa: E402
+from tools import chapter_runs as section1  # noqa: E402
+from tools import chapter_runs_memory as sections234  # noqa: E402
 from tools import ledger  # noqa: E402
 
 SECTIONS = {"1": "Mixed-precision training", "2": "Gradient accumulation", "3": "Activation checkpointing",
@@ -43,20 +43,20 @@ def run_claims(device, out, opts, say):
         claims.append(claim)
         say(verdict_line(claim))
 
-    add(s1.half_the_memory(device))
-    add(s1.twice_the_speed(device, timed))
-    add(s1.fp16_overflows(device))
-    add(s1.fp16_underflows())
-    claim, extras["curves"] = s1.loss_curves(device, steps, out)
+    add(section1.half_the_memory(device))
+    add(section1.twice_the_speed(device, timed))
+    add(section1.fp16_overflows(device))
+    add(section1.fp16_underflows())
+    claim, extras["curves"] = section1.loss_curves(device, steps, out)
     add(claim)
-    add(s1.master_weights_matter(device, steps))
-    add(s1.fp8_scaling_risk(device))
-    add(s234.effective_batch(out))
-    add(s234.loss_over_k(device))
-    add(s234.count_allreduces(out))
-    add(s234.saved_bytes_vs_depth(out))
-    add(s234.recompute_cost(device, timed))
-    claim, extras["table"] = s234.components_table(device)
+    add(section1.master_weights_matter(device, steps))
+    add(section1.fp8_scaling_risk(device))
+    add(sections234.effective_batch(out))
+    add(sections234.loss_over_k(device))
+    add(sections234.count_allreduces(out))
+    add(sections234.saved_bytes_vs_depth(out))
+    add(sections234.recompute_cost(device, timed))
+    claim, extras["table"] = sections234.components_table(device)
     add(claim)
     return claims, extras
 
@@ -68,7 +68,7 @@ def verdict_line(claim):
 
 def report(claims, extras, device, seconds):
     lines = ["# The chapter, measured on this machine", "",
-             f"`make chapter` on {s1.machine(device)}, {seconds:.0f} s. Each row: what the chapter says, what this "
+             f"`make chapter` on {section1.machine(device)}, {seconds:.0f} s. Each row: what the chapter says, what this "
              f"machine measured, what was expected, and whether it holds (a claim that differs says why).", ""]
     for number, title in SECTIONS.items():
         lines += [f"## {number}. {title}", "", "| the chapter says | measured here | expected | verdict |",
@@ -109,5 +109,5 @@ def program(argv):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        sys.exit(s234.worker(sys.argv[2]))
+        sys.exit(sections234.worker(sys.argv[2]))
     sys.exit(train.run(program, sys.argv[1:]))

@@ -23,7 +23,7 @@ import accumulate  # noqa: E402
 import train  # noqa: E402
 from memory_measure import SavedBytes  # noqa: E402
 from tools import demos, ledger, plots  # noqa: E402
-from tools.chapter_runs import Claim, machine, step_seconds, tiny  # noqa: E402
+from tools.chapter_runs import Claim, machine, slow_because, step_seconds, tiny  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 K = 4
@@ -163,14 +163,14 @@ def recompute_cost(device, steps):
     counted = demos.counted_step_flops(flags)
     flops = {p: counted[p] / counted["none"] - 1 for p in ("full", "selective")}
     secs = {p: step_seconds(tiny(device, precision="bf16", ckpt=p, n_layer=4, n_embd=128, n_head=4, block_size=128,
-                                 batch_size=4), device, steps) for p in ("none", "full", "selective")}
+                                 batch_size=4), steps) for p in ("none", "full", "selective")}
     times = {p: secs[p] / secs["none"] - 1 for p in ("full", "selective")}
     near = abs(times["full"] - flops["full"]) < 0.1
     return Claim("3", "Cost: about 33% more forward compute", f"counted FLOPs full +{100 * flops['full']:.1f}%, "
                  f"selective +{100 * flops['selective']:.1f}%; time full {100 * times['full']:+.0f}%, selective "
                  f"{100 * times['selective']:+.0f}% on {machine(device)}", "+33% of the blocks' work (the "
                  "embeddings and head dilute it); time near the FLOP ratio on a GPU", 0.25 < flops["full"] <= 1 / 3
-                 and near, "" if near else "time on CPU is not the FLOP ratio: the recomputed softmax, GELU and "
+                 and near, "" if near else f"{slow_because(device)} is not the FLOP ratio: the recomputed softmax, GELU and "
                  "LayerNorm are elementwise work that the FLOP count leaves out")
 
 

@@ -133,6 +133,8 @@ def program(argv):
         print(format_underflow(underflow_demo()))
     elif what == "flops":
         print(format_flops(counted_step_flops(rest)))
+    elif what in ("dtypes", "underflow"):
+        raise UsageError(f"the {what} demo takes no flags, got {rest[0]}")
     else:
         raise UsageError(f"unknown demo {' '.join(argv)!r}; usage: python tools/demos.py dtypes|underflow|"
                          f"flops [--key=value ...]")

@@ -14,15 +14,14 @@ is built, nothing is measured. Every config key of train.py applies, plus the le
 no tolerance) and the peak is within 2% of the measured one (it is derived by walking the
 step, memory_timeline.py); on CUDA the storage sizes are exact, the activations within 5%
 (the caching allocator's rounding: memory_measure.CudaAllocator) and the peak is printed,
-not checked. FP8 on CPU goes through an emulated torch._scaled_mm, an order of magnitude
-slower on some CPUs than on others: on CPU the table's FP8 row is measured (and checked) at
-a tiny shape, and shown as the formula at this shape; the output says so. Exit status 0
-when every check passed, 1 when one missed, 2 for bad input.
+not checked. Every row of the table this project runs is measured on this machine, the FP8
+one included (on CPU its GEMM is fp8_gemm.py's BF16 stand-in: about BF16's speed). Exit
+status 0 when every check passed, 1 when one missed, 2 for bad input.
 """
 import math
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's files sit one folder up
@@ -39,11 +38,10 @@ import train  # noqa: E402
 from config import UsageError, given, key, parse_args, usage  # noqa: E402
 from snapshot import check_writable, write_atomically  # noqa: E402
 from tools import ledger_report as report  # noqa: E402
-from tools.ledger_report import fmt_bytes, format_table  # noqa: E402,F401  (tools/chapter.py prints with them)
+from tools.ledger_report import format_table  # noqa: E402,F401  (tools/chapter.py prints with it)
 
 ACT_TOL_CUDA = 0.05  # CUDA activations: allocator deltas (memory_measure.CudaAllocator says why); CPU: exact
 PEAK_TOL_CPU = 0.02  # the walk's peak against LiveTensors' (exact on the configs the tests run)
-FP8_CPU_SHAPE = dict(n_layer=2, n_embd=32, n_head=2, block_size=32, batch_size=2)  # FP8 rows measured here on CPU
 
 
 @dataclass
@@ -103,34 +101,22 @@ def _measured_components(m):
                 optimizer=m["master"] + m["optimizer"], fp8_kept=m["fp8_kept"], activations=m["activations"])
 
 
-def fp8_on_cpu_row(cfg, device, checks):
-    """On CPU, FP8 runs torch._scaled_mm emulated (slow on some CPUs): measure and check the
-    FP8 config at FP8_CPU_SHAPE, and give the row for cfg's shape from the formulas."""
-    tiny = replace(cfg, **FP8_CPU_SHAPE)
-    rows, ok = compare(tiny, run_config(tiny, device))
-    checks.append((f"FP8 (native) at L={tiny.n_layer} h={tiny.n_embd} s={tiny.block_size} b={tiny.batch_size}", ok))
-    return ml.components(cfg), f"formula; measured {'exact' if ok else 'MISSING'} at the tiny shape above"
-
-
-def technique_rows(cfg, device, opts, measure_runs=True, checks=None):
+def technique_rows(cfg, device, opts, measure_runs=True):
     """[(technique, {component: bytes per GPU}, how)] for cfg's shape. how: "measured" when
     this project runs the technique (one ledger run on this machine), else "formula".
 
     Gradient accumulation: K = cfg.accum when > 1 (else 4); the row is the same batch of
     b sequences taken in K micro-batches of ceil(b/K), so only the activations shrink.
-    FP8: native is measured (whatever cfg.fp8_backend says) where its matmul runs on the
-    device (on CPU at a tiny shape: fp8_on_cpu_row), else a formula row; Transformer Engine
-    is a formula row: native's activations (an approximation: TE's saved tensors are its
-    own) plus its cached FP8 weight copies. The parallel techniques are memory_parallel's
-    parallel_rows, all formulas. `checks` collects (what, ok) of the extra FP8 measurement.
+    FP8: native is measured where its matmul runs on the device, else a formula row;
+    Transformer Engine is a formula row: native's activations (an approximation: TE's saved
+    tensors are its own) plus its cached FP8 weight copies. The parallel techniques are
+    memory_parallel's parallel_rows, all formulas.
     """
-    runs, checks = {}, checks if checks is not None else []
+    runs = {}
 
     def row(name, c, runnable=True):
         if measure_runs and runnable:
             c = replace(c, fp8_backend="native")
-            if precision.recipe(c).fp8 is not None and device.type == "cpu":
-                return (name, *fp8_on_cpu_row(c, device, checks))
             if repr(c) not in runs:  # a row the table already has is measured once
                 runs[repr(c)] = _measured_components(run_config(c, device))
             return (name, runs[repr(c)], "measured")
@@ -185,9 +171,10 @@ def check_options(cfg, opts, argv):
         if whole % size and name in named:
             raise UsageError(f"--{name}={size} must divide {what}")
         opts = replace(opts, **{name: max(d for d in range(1, size + 1) if whole % d == 0)})
-    if opts.pp > cfg.n_layer and "pp" in named:
-        raise UsageError(f"--pp={opts.pp} is more stages than n_layer={cfg.n_layer}")
-    ignored = given(argv) & {"data", "resume", "sample_only", "memory_snapshot"}
+    if "pp" in named and cfg.n_layer % opts.pp:
+        raise UsageError(f"--pp={opts.pp} must divide n_layer={cfg.n_layer} (each stage holds n_layer/p blocks)")
+    ignored = named & {"data", "resume", "sample_only", "memory_snapshot", "max_iters", "log_interval",
+                       "eval_interval", "eval_iters", "snapshot_interval", "sample_tokens", "ledger"}
     if ignored:
         raise UsageError(f"--{', --'.join(sorted(ignored))}: the ledger measures one step on random tokens, "
                          f"nothing else applies")
@@ -207,18 +194,22 @@ def program(argv):
         return 0
     started = time.perf_counter()
     cfg, opts = parse_args(argv, LedgerOptions)
-    opts = check_options(cfg, opts, argv)
-    if opts.what_if_only:
+    if opts.what_if_only:  # the big shapes and the papers' own: no key of this run applies
+        ignored = given(argv) - {f.name for f in fields(LedgerOptions)}
+        if ignored:
+            raise UsageError(f"--{', --'.join(sorted(ignored))}: --what_if_only prints the big shapes and the "
+                             f"papers' figures, this run's keys do not apply")
         text, ok = what_if_text(opts)
         print(text)
         return 0 if ok else 1
+    opts = check_options(cfg, opts, argv)
     device = train.pick_device(cfg)
     cfg = replace(cfg, device=device.type)
     path = Path(cfg.out_dir) / "memory_ledger.svg"
     check_writable(path.parent, "--out_dir")
     try:
-        meas, checks = run_config(cfg, device), []
-        table = technique_rows(cfg, device, opts, measure_runs=opts.table == "measure", checks=checks)
+        meas = run_config(cfg, device)
+        table = technique_rows(cfg, device, opts, measure_runs=opts.table == "measure")
     except ValueError as e:
         raise UsageError(str(e)) from None
     picture = report.svg(table, f"memory per GPU by technique: L={cfg.n_layer} h={cfg.n_embd} "
@@ -235,10 +226,6 @@ def program(argv):
         print(f"  {name:48} {v:14,d}")
     print(f"\nfour components x techniques (per GPU, this config, precision {precision.recipe(cfg).name} "
           f"unless named):")
-    for what, fine in checks:
-        print(f"  {what}: every component {'exact' if fine else 'NOT exact'} (the FP8 rows are measured at a tiny "
-              f"shape, which keeps `make ledger` fast)")
-        ok = ok and fine
     print(report.format_table(table))
     text, same = what_if_text(opts)
     print("\n" + text)
