@@ -30,8 +30,8 @@ endif
 
 .PHONY: help train test bench sample ddp ledger chapter dtypes underflow flops gpu-check clean
 
-help:  ## this list
-	@echo "make train      train on the built-in data (PRECISION=fp32|bf16|fp16|fp8 CKPT=none|full|sqrt|selective ACCUM=K)"
+help: $(DEPS)  ## this list; CKPT's choices are read from checkpoint.POLICIES
+	@echo "make train      train on the built-in data (PRECISION=fp32|bf16|fp16|fp8 CKPT=<a policy, below> ACCUM=K)"
 	@echo "make test       the test suite (CPU; CUDA tests skip without a GPU)"
 	@echo "make bench      tokens/s, ms/step, MFU and peak memory per precision and ckpt policy -> out/bench.jsonl"
 	@echo "make sample     print a sample from out/snapshot.pt"
@@ -43,6 +43,8 @@ help:  ## this list
 	@echo "make flops      each recompute policy's step FLOPs, counted by FlopCounterMode"
 	@echo "make gpu-check  CUDA tests, the ledger and the benchmark on a GPU (a message without one)"
 	@echo "variables: any config key in capitals (python train.py --help lists them), NPROC, PYTHON, ARGS='--key=value ...'"
+	@$(PY) -c 'import checkpoint; print("CKPT= recompute policies (one class each in checkpoint.py):"); \
+		[print(f"  {name:10} {policy.help}") for name, policy in checkpoint.POLICIES.items()]'
 
 $(VENV)/.installed: requirements.txt
 	python3 -m venv $(VENV)

@@ -34,7 +34,7 @@ class StepParts:
     scaler: precision.LossScaler
     optimizer: precision.MasterWeightOptimizer
     grad_buffers: list = None  # FP32 sums of the micro-steps' gradients, or None (sum in .grad)
-    fp8_layers: list = ()  # fp8.FP8Linear layers: amax folded, FP8 weight copies released, once per step
+    fp8_layers: list = ()  # fp8.layers(model): amax folded, FP8 weight copies released, once per step
 
 
 def effective_batch(micro_batch, world_size, accum, block_size):
@@ -92,7 +92,7 @@ def accumulation_step(model, parts, micro_batches, loss_norm="mean", use_no_sync
     parts: StepParts (recipe, loss scaler, optimizer, FP32 buffers, FP8 layers).
     micro_batches: list of K (x, y) pairs.
     observe: None, or called with "forward", "backward", "gradients" and "step" as each
-      phase begins (memory_measure.py reads memory there; training passes nothing).
+      phase begins (ledger/measure.py reads memory there; training passes nothing).
     """
     observe = observe or (lambda phase: None)
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -110,7 +110,7 @@ def accumulation_step(model, parts, micro_batches, loss_norm="mean", use_no_sync
             observe("forward")
             # the micro-step's index tells FP8 layers to quantize each weight once per optimizer
             # step (micro-step 0) and reuse that copy for the others (precision.Recipe.forward_context)
-            with parts.recipe.forward_context(micro_step=i):
+            with parts.recipe.forward_context(model, micro_step=i):
                 loss = model(x, y)[1]  # the logits are not kept: nothing in backward needs them
             observe("backward")
             # a micro-batch with no valid tokens has a NaN mean loss but a zero gradient

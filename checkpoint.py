@@ -1,10 +1,10 @@
-"""Activation checkpointing (recomputation) by hand: a recompute autograd Function and
-the policies that decide what to recompute.
+"""Activation checkpointing (recomputation) by hand: a recompute autograd Function and the
+policies that decide what it recomputes.
 
-Chapter section 3. Read first: `Recompute` (keep the inputs, drop the internals,
-re-run in backward), then `apply_policy`.
+Chapter section 3. Read first: `Recompute` (keep the inputs, drop the internals, re-run in
+backward), then the policies (each one class: which units it recomputes), then `apply_policy`.
 
-Policies (CKPT=):
+Policies (CKPT=), one class each in POLICIES:
   none       autograd saves every activation of every block.
   full       each block is a recompute unit: only its input (s*b*h values) is kept;
              backward re-runs one block at a time, so one block's internals are live.
@@ -15,6 +15,12 @@ Policies (CKPT=):
              part whose activations grow with s^2 but whose FLOPs are small; the big
              matmul outputs are kept. (sdpa/flash attention already does this inside
              its kernel: it never stores the softmax and recomputes it in backward.)
+A policy says which units it recomputes: runs of consecutive blocks (`block_units`) and
+blocks whose attention core alone is one (`core_units`), and what it refuses (`check`).
+apply_policy, the recompute FLOPs (HFU), the memory ledger (its saved tensors and its
+peak), CKPT's choices and `make help` all read POLICIES, so a policy nobody wrote cannot
+be asked for, and a new one is one class (tests/test_checkpoint.py defines one in a test:
+every other block).
 
 Cost: a recomputed unit runs its forward twice, so `full` adds one forward of the
 blocks, about +33% of a step (forward 1 unit of work, backward 2).
@@ -22,21 +28,24 @@ blocks, about +33% of a step (forward 1 unit of work, backward 2).
 
 Model save/resume is called a *snapshot* in this project (snapshot.py), never a checkpoint.
 """
+import functools
 import math
 from contextlib import contextmanager, nullcontext
 
 import torch
 
-from config import CKPT_POLICIES
+from config import UsageError
 from model import run_blocks_in_order, run_directly
 from snapshot import rng_state, set_rng_state
 
-_recompute_depth = 0  # > 0 while a backward is re-running a forward
-_make_contexts = None  # set by `recompute_contexts`: what a precision needs around a recomputed forward
+# how deep in re-run forwards the running backward is. A context manager's state, like torch's
+# grad mode: it says what the computation is doing right now, not how the run was configured
+_recompute_depth = 0
 
 
 def is_recomputing():
-    """True inside the re-run forward of a recomputed unit (e.g. FP8 must not re-record amax)."""
+    """True inside the re-run forward of a recomputed unit (the tests tell the forward's dropout
+    masks from the re-run's with it)."""
     return _recompute_depth > 0
 
 
@@ -48,21 +57,6 @@ def _recomputing():
         yield
     finally:
         _recompute_depth -= 1
-
-
-@contextmanager
-def recompute_contexts(make):
-    """While open, every recompute unit calls make() once in its forward and gets two context
-    managers: one entered around its forward, one around its re-run in backward (as
-    torch.utils.checkpoint's context_fn). precision.Recipe.forward_context opens it, so this
-    file knows nothing of FP8: Transformer Engine's recompute flags and FP8 autocast
-    (fp8_te.recompute_contexts), or which FP8 weight copy the re-run uses (fp8.py)."""
-    global _make_contexts
-    previous, _make_contexts = _make_contexts, make
-    try:
-        yield
-    finally:
-        _make_contexts = previous
 
 
 def _autocast_state(device):
@@ -83,7 +77,8 @@ class Recompute(torch.autograd.Function):
     `params` are the parameters fn uses, passed as inputs so their gradients flow
     through this node's backward into the ordinary autograd graph (DDP's hooks and the
     FP32 gradient buffers see them as usual). Non-tensor args pass through untouched.
-    `contexts`: (around the forward, around the re-run), from `recompute_contexts`.
+    `contexts`: (around the forward, around the re-run): what a precision needs there
+    (precision.Recipe.recompute_contexts: TE's recompute flags, the FP8 weight a re-run uses).
     """
 
     @staticmethod
@@ -135,79 +130,166 @@ class Recompute(torch.autograd.Function):
         return (None, None, None, *input_grads, *param_grads)
 
 
-def recompute(fn, *args, params=(), precision_contexts=True):
+def recompute(fn, *args, params=(), contexts=None):
     """Call fn(*args) so that its activations are recomputed in backward instead of kept.
-    precision_contexts=False: fn holds no layer that needs them (the attention core)."""
+    contexts: None, or a callable giving (around the forward, around the re-run); it is called
+    only where there will be a backward (in evaluation a precision's context would wait for a
+    re-run that never comes: TE's recompute flags queue one per unit)."""
     if not torch.is_grad_enabled():
-        # evaluation: no graph, no backward, nothing to recompute (and a precision's forward
-        # context would wait for a re-run that never comes: TE's recompute flags queue one per unit)
-        return fn(*args)
-    make = _make_contexts if precision_contexts else None
-    contexts = make() if make else (nullcontext(), nullcontext())
-    return Recompute.apply(fn, len(args), contexts, *args, *tuple(params))
+        return fn(*args)  # evaluation: no graph, no backward, nothing to recompute
+    around = contexts() if contexts else (nullcontext(), nullcontext())
+    return Recompute.apply(fn, len(args), around, *args, *tuple(params))
 
 
 def recompute_core(fn, *args):
-    """The selective policy's unit: the attention core, which holds no Linear, so it needs no
-    precision context (with Transformer Engine: no TE module inside, nothing to re-enter)."""
-    return recompute(fn, *args, precision_contexts=False)
+    """The core_runner of a block whose attention core is a unit: the core holds no Linear, so it
+    needs no precision context (with Transformer Engine: no TE module inside, nothing to re-enter);
+    it has no parameters: q, k, v are its inputs."""
+    return recompute(fn, *args)
 
 
 # ---------------------------------------------------------------- policies
 
-def segments(n_layer, policy, segment=0):
-    """Block indices grouped into recompute units: [[0], [1], ...] for full, runs of k for sqrt."""
-    if policy == "full":
-        k = 1
-    elif policy == "sqrt":
-        k = segment or max(1, round(math.sqrt(n_layer)))
-    else:
+class Policy:
+    """What backward recomputes instead of keeping. A subclass names itself (`name`: CKPT's value,
+    `help`: one line for --help and make help) and says which units it recomputes."""
+    name, help = None, ""
+    takes_segment = False  # CKPT_SEGMENT applies to it
+
+    def __init__(self, segment=0):
+        self.segment = segment
+
+    def block_units(self, n_layer):
+        """Runs of consecutive block indices, each recomputed as one unit (only its input kept)."""
         return []
-    return [list(range(i, min(i + k, n_layer))) for i in range(0, n_layer, k)]
+
+    def core_units(self, n_layer):
+        """Blocks whose attention core alone is recomputed (its q, k, v kept)."""
+        return []
+
+    def check(self, cfg):
+        """Raise UsageError where this policy cannot run with cfg."""
 
 
-def apply_policy(model, policy, segment=0):
-    """Set model.block_runner / each attention's core_runner for a CKPT policy."""
-    if policy not in CKPT_POLICIES:
-        raise ValueError(f"ckpt must be one of {'|'.join(CKPT_POLICIES)}, got {policy!r}")
-    if segment < 0:
-        raise ValueError(f"ckpt_segment must be >= 0 (0 = round(sqrt(n_layer))), got {segment}")
-    model.block_runner = run_blocks_in_order
-    for block in model.h:
-        block.attn.core_runner = run_directly
-    if policy in ("full", "sqrt"):
-        units = segments(len(model.h), policy, segment)
+POLICIES = {}  # CKPT's choices: name -> Policy class
 
-        def run_segments(blocks, x):
-            for unit in units:
-                group = [blocks[i] for i in unit]
-                params = [p for b in group for p in b.parameters()]
-                x = recompute(run_blocks_in_order, group, x, params=params)
-            return x
-        model.block_runner = run_segments
-    elif policy == "selective":
-        if model.cfg.attn != "manual":
-            raise ValueError("ckpt=selective recomputes the manual attention core; use attn=manual "
+
+def register(cls):
+    POLICIES[cls.name] = cls
+    return cls
+
+
+@register
+class NoRecompute(Policy):
+    name, help = "none", "autograd keeps every activation"
+
+
+@register
+class Full(Policy):
+    name, help = "full", "every block a unit: its input kept, the block re-run in backward"
+
+    def block_units(self, n_layer):
+        return [[i] for i in range(n_layer)]
+
+
+@register
+class Sqrt(Policy):
+    name, help = "sqrt", "CKPT_SEGMENT blocks a unit (default round(sqrt(L))): O(sqrt(L)) memory"
+    takes_segment = True
+
+    def block_units(self, n_layer):
+        k = self.segment or max(1, round(math.sqrt(n_layer)))
+        return [list(range(i, min(i + k, n_layer))) for i in range(0, n_layer, k)]
+
+    def check(self, cfg):
+        if cfg.ckpt_segment > cfg.n_layer:
+            raise UsageError(f"--ckpt_segment={cfg.ckpt_segment} is more blocks than n_layer={cfg.n_layer} "
+                             f"(one unit of all blocks is ckpt_segment={cfg.n_layer})")
+
+
+@register
+class Selective(Policy):
+    name, help = "selective", "each block's attention core a unit: the s x s softmax re-run, the rest kept"
+
+    def core_units(self, n_layer):
+        return list(range(n_layer))
+
+    def check(self, cfg):
+        if cfg.attn != "manual":
+            raise UsageError("ckpt=selective recomputes the manual attention core; use attn=manual "
                              "(attn=sdpa already recomputes its core inside the kernel)")
-        for block in model.h:
-            block.attn.core_runner = recompute_core  # the core has no parameters: q, k, v are its inputs
+
+
+def policy(cfg):
+    """The Policy cfg.ckpt names, with cfg.ckpt_segment, checked against cfg: UsageError for a
+    policy that does not exist or cannot run here."""
+    cls = POLICIES.get(cfg.ckpt)
+    if cls is None:
+        raise UsageError(f"--ckpt={cfg.ckpt} is not one of {'|'.join(POLICIES)}")
+    if cfg.ckpt_segment and not cls.takes_segment:
+        takers = "|".join(name for name, c in POLICIES.items() if c.takes_segment)
+        raise UsageError(f"--ckpt_segment applies to ckpt={takers} only, this run has ckpt={cfg.ckpt}")
+    chosen = cls(cfg.ckpt_segment)
+    chosen.check(cfg)
+    return chosen
+
+
+def _checked_units(units, n_layer):
+    seen = set()
+    for unit in units:
+        if not unit or unit != list(range(unit[0], unit[-1] + 1)) or unit[0] < 0 or unit[-1] >= n_layer \
+                or seen & set(unit):
+            raise ValueError(f"a recompute unit must be a run of consecutive blocks of 0..{n_layer - 1}, "
+                             f"each block in one unit at most: got {units}")
+        seen |= set(unit)
+    return units
+
+
+def apply_policy(model, policy, contexts=None):
+    """Set model.block_runner and each attention's core_runner for `policy` (a Policy).
+    contexts: what the precision needs around a unit of blocks, called with the unit's blocks
+    at its forward (precision.Recipe.recompute_contexts, given by train.build)."""
+    n = len(model.h)
+    units = _checked_units(policy.block_units(n), n)
+    cores = set(policy.core_units(n))
+    model.block_runner = _unit_runner(units, contexts) if units else run_blocks_in_order
+    for i, block in enumerate(model.h):
+        block.attn.core_runner = recompute_core if i in cores else run_directly
     return model
 
 
-def recompute_flops_per_token(model, policy, segment=0):
+def _unit_runner(units, contexts):
+    """GPT.block_runner with `units`: each run of blocks one Recompute, the other blocks as they are."""
+    starts = {unit[0]: unit for unit in units}
+
+    def run(blocks, x):
+        i = 0
+        while i < len(blocks):
+            if i not in starts:
+                x = blocks[i](x)
+                i += 1
+                continue
+            group = [blocks[j] for j in starts[i]]
+            params = [p for b in group for p in b.parameters()]
+            x = recompute(run_blocks_in_order, group, x, params=params,
+                          contexts=functools.partial(contexts, group) if contexts else None)
+            i = starts[i][-1] + 1
+        return x
+    return run
+
+
+def recompute_flops_per_token(model, policy):
     """Forward FLOPs per token that recomputation adds: counted in HFU, not in MFU.
 
     A recomputed block runs its forward once more: 2 FLOPs (a multiply and an add) per
-    matmul weight per token, plus the attention core's QK^T and @V, 2 x 2*s*h per token
-    per layer. Biases and LayerNorms are elementwise work, not counted (nor does
-    FlopCounterMode count them; the tests hold this function to its count).
-    `selective` re-runs the attention core only. (Every block is recomputed for full
-    and sqrt alike: sqrt keeps fewer inputs, not fewer re-runs.)
+    matmul weight per token, plus the attention core's QK^T and @V, 2 x 2*s*h per token;
+    a recomputed core alone, the core's. Biases and LayerNorms are elementwise work, not
+    counted (nor does FlopCounterMode count them; the tests hold this function to its count).
+    (sqrt re-runs every block as full does: it keeps fewer inputs, not fewer re-runs.)
     """
-    c = model.cfg
-    attention_core = 4 * c.n_layer * c.block_size * c.n_embd
-    if policy in ("full", "sqrt"):
-        return 2 * sum(p.numel() for p in model.h.parameters() if p.dim() >= 2) + attention_core
-    if policy == "selective":
-        return attention_core
-    return 0
+    c, n = model.cfg, len(model.h)
+    core = 4 * c.block_size * c.n_embd
+    in_units = {i for unit in policy.block_units(n) for i in unit}
+    cores = set(policy.core_units(n)) - in_units
+    matmuls = lambda block: 2 * sum(p.numel() for p in block.parameters() if p.dim() >= 2)  # noqa: E731
+    return sum(matmuls(model.h[i]) + core for i in in_units) + core * len(cores)

@@ -14,7 +14,6 @@ import re
 from dataclasses import dataclass, field, fields
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
-CKPT_POLICIES = ("none", "full", "sqrt", "selective")
 ATTENTIONS = ("manual", "sdpa")
 LOSS_NORMS = ("mean", "tokens")
 DEVICES = ("auto", "cpu", "cuda")
@@ -74,11 +73,12 @@ class Config:
     beta1: float = key(0.9, "AdamW beta1, in [0, 1)", at_least=0.0)
     beta2: float = key(0.95, "AdamW beta2, in [0, 1)", at_least=0.0)
     grad_clip: float = key(1.0, "clip the gradient norm to this; 0 = off", at_least=0.0)
-    # precision (precision.py, fp8.py, fp8_te.py): read only by precision.recipe()
+    # precision (precision.py, fp8.py, backends/fp8_te.py): read only by precision.recipe()
     precision: str = key("bf16", "parameter/activation dtype; fp8 = bf16 with FP8 Linear matmuls", PRECISIONS)
     loss_scale: str = key("auto", "auto (dynamic for fp16, else none) | dynamic | none | a number")
     loss_scale_hysteresis: int = key(1, "overflows tolerated before the dynamic scale backs off", at_least=1)
-    fp8_backend: str = key("native", "native (ours, fp8.py) or te (Transformer Engine, fp8_te.py)", FP8_BACKENDS)
+    fp8_backend: str = key("native", "native (ours, fp8.py) or te (Transformer Engine: backends/fp8_te.py)",
+                           FP8_BACKENDS)
     fp8_recipe: str = key("delayed", "scale from an amax history (delayed) or this tensor's amax (current)",
                           FP8_RECIPES)
     fp8_amax_history: int = key(16, "amax history length of the delayed recipe", at_least=1)
@@ -86,7 +86,7 @@ class Config:
                           at_least=0, at_most=16)
     fp8_grad: str = key("bf16", "backward in bf16 (the chapter) or gradients in FP8 E5M2 (TE's HYBRID)", FP8_GRADS)
     # activation checkpointing (checkpoint.py)
-    ckpt: str = key("none", "what backward recomputes instead of keeping", CKPT_POLICIES)
+    ckpt: str = key("none", "what backward recomputes instead of keeping: a policy of checkpoint.POLICIES")
     ckpt_segment: int = key(0, "blocks per recompute unit for ckpt=sqrt; 0 = round(sqrt(n_layer))", at_least=0)
     # logging, evaluation, snapshots (train.py)
     log_interval: int = key(10, "steps between progress lines", at_least=1)
@@ -119,7 +119,9 @@ def check_keys(obj):
 
 
 def validate(cfg):
-    """Raise UsageError for a config that cannot run. Everything that needs no machine is here."""
+    """Raise UsageError for a config that cannot run. Everything that needs no machine is here,
+    but the recompute policy's own rules, which its class holds (checkpoint.policy;
+    train.parse_args asks both)."""
     check_keys(cfg)
     if not cfg.out_dir.strip():
         raise UsageError("--out_dir must name a folder (empty would write into the current folder)")
@@ -134,14 +136,6 @@ def validate(cfg):
                              f"got {getattr(cfg, name)}")
     if cfg.total_batch_tokens and cfg.accum != 1:
         raise UsageError("give --accum or --total_batch_tokens (which derives accum), not both")
-    if cfg.ckpt_segment and cfg.ckpt != "sqrt":
-        raise UsageError(f"--ckpt_segment applies to ckpt=sqrt only, this run has ckpt={cfg.ckpt}")
-    if cfg.ckpt_segment > cfg.n_layer:
-        raise UsageError(f"--ckpt_segment={cfg.ckpt_segment} is more blocks than n_layer={cfg.n_layer} "
-                         f"(one unit of all blocks is ckpt_segment={cfg.n_layer})")
-    if cfg.ckpt == "selective" and cfg.attn != "manual":
-        raise UsageError("ckpt=selective recomputes the manual attention core; use attn=manual "
-                         "(attn=sdpa already recomputes its core inside the kernel)")
     if cfg.loss_scale not in ("auto", "dynamic", "none"):
         try:
             value = float(cfg.loss_scale)
@@ -245,14 +239,16 @@ def parse_args(argv, *extra):
     return (cfg, *tools)
 
 
-def usage(program="train.py", *extra):
+def usage(program="train.py", *extra, choices=None):
+    """The --help text: every key with its default (or choices) and meaning. choices: {key:
+    choices} that a chapter file holds (train.usage passes checkpoint.POLICIES' names)."""
     lines = [f"usage: python {program} [--key=value ...]", ""]
     for cls in (*extra, Config):
         for f in fields(cls):
-            choices = f.metadata.get("choices")
-            default = "|".join(choices) if choices else repr(f.default)
+            options = (choices or {}).get(f.name) or f.metadata.get("choices")
+            default = "|".join(options) if options else repr(f.default)
             lines.append(f"  --{f.name}={default}".ljust(40) + f" {f.metadata.get('meaning', '')}"
-                         + (f" (default {f.default})" if choices else ""))
+                         + (f" (default {f.default})" if options else ""))
     return "\n".join(lines)
 
 

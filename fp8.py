@@ -5,11 +5,11 @@ dynamic scaling, backward gradients in BF16"). Read first: `scale_from_amax` and
 `quantize`, then `_FP8LinearFunction` (its three GEMMs), then `FP8Linear` (where the
 scales and the FP8 weight come from), then `fold_amax` (the once-per-step bookkeeping,
 the max over ranks included). The GEMM itself, torch._scaled_mm on a GPU and its exact
-CPU stand-in, is fp8_gemm.py.
+CPU stand-in, is backends/fp8_gemm.py.
 
 PRECISION=fp8 keeps BF16 parameters, master weights and the whole BF16 workflow of
 precision.py; only the Linears' matmuls run in FP8. `precision.recipe()` decides that
-and builds these layers (FP8_BACKEND=native) or Transformer Engine's (te, fp8_te.py).
+and builds these layers (FP8_BACKEND=native) or Transformer Engine's (te, backends/fp8_te.py).
 """
 import math
 from contextlib import contextmanager
@@ -19,14 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import checkpoint
-from fp8_gemm import E4M3, E5M2, column_major, dequantize, fp8_matmul_error, fp8_max, scaled_mm  # noqa: F401
+from backends.fp8_gemm import E4M3, E5M2, column_major, dequantize, fp8_matmul_error, fp8_max, scaled_mm  # noqa: F401
 
 
 @dataclass(frozen=True)
 class Settings:
     """The FP8 choices of a run, made once by precision.recipe() from the fp8_* keys."""
-    backend: str = "native"  # native (this file) | te (Transformer Engine, fp8_te.py)
+    backend: str = "native"  # native (this file) | te (Transformer Engine, backends/fp8_te.py)
     scaling: str = "delayed"  # FP8_RECIPE: delayed (scale from an amax history) | current (this tensor's amax)
     history: int = 16  # amax history length (delayed)
     margin: int = 0  # scale = fp8_max / amax / 2**margin
@@ -70,26 +69,55 @@ def quantize(x, scale, dtype, saturate=True):
 # Transformer Engine quantizes a weight once per optimizer step when its forward is told the
 # micro-step: te.Linear's is_first_microbatch (transformer_engine/pytorch/module/linear.py: None
 # caches nothing, True refreshes the cached FP8 weight, False reuses it). Both backends follow
-# the same three modes, set around each forward by precision.Recipe.forward_context:
+# the same three modes, held by each FP8 Linear as its `weight_mode` and set around each
+# forward by precision.Recipe.forward_context:
 #   fresh    outside accumulation (evaluation, sampling): quantize W in every forward, keep nothing
 #   refresh  micro-step 1 of an optimizer step: quantize W and keep the FP8 copy
 #   reuse    micro-steps 2..K, and every recompute's re-run: the kept copy, unless W changed since
 WEIGHT_MODES = ("fresh", "refresh", "reuse")
-_weight_mode = "fresh"
-weight_mode = lambda: _weight_mode  # noqa: E731
+
+
+def layers(module):
+    """The FP8 Linears in `module`, ours or Transformer Engine's: both hold a weight_mode."""
+    return [m for m in module.modules() if hasattr(m, "weight_mode")]
 
 
 @contextmanager
-def weight_copies(mode):
-    """Forwards inside use the FP8 weight as `mode` says (one of WEIGHT_MODES)."""
-    global _weight_mode
+def weight_copies(fp8_layers, mode):
+    """Forwards inside use the FP8 weight as `mode` says (one of WEIGHT_MODES), on each layer.
+    A context manager, as torch.autocast is: it holds for everything the forward calls, and the
+    layers are as they were after it."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"FP8 weight mode must be one of {'|'.join(WEIGHT_MODES)}, got {mode!r}")
-    previous, _weight_mode = _weight_mode, mode
+    previous = [m.weight_mode for m in fp8_layers]
+    for m in fp8_layers:
+        m.weight_mode = mode
     try:
         yield
     finally:
-        _weight_mode = previous
+        for m, was in zip(fp8_layers, previous):
+            m.weight_mode = was
+
+
+class Rerun:
+    """Around a recompute unit's re-run in backward (checkpoint.Recompute): each FP8 Linear of the
+    unit uses the weight its forward used (the kept copy, or a fresh one where the forward
+    quantized afresh) and records no amax: the same bits, and the state moves once per real
+    forward. Made at the unit's forward (precision.Recipe.recompute_contexts), so it knows the
+    mode each layer had then; entered in backward, when the forward's context is long closed."""
+
+    def __init__(self, fp8_layers):
+        self.layers = fp8_layers
+        self.modes = ["fresh" if m.weight_mode == "fresh" else "reuse" for m in fp8_layers]
+
+    def __enter__(self):
+        self.previous = [(m.weight_mode, m.recording) for m in self.layers]
+        for m, mode in zip(self.layers, self.modes):
+            m.weight_mode, m.recording = mode, False
+
+    def __exit__(self, *exc):
+        for m, (mode, recording) in zip(self.layers, self.previous):
+            m.weight_mode, m.recording = mode, recording
 
 
 @dataclass
@@ -114,7 +142,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         # the bias joins the GEMM's output before its one rounding to BF16, as TE fuses it into
         # cuBLASLt's epilogue (module/linear.py); rounding first and adding after would move about
         # 30% of the outputs by an ulp (tests/test_fp8.py). CUDA refuses a bias with an FP32
-        # output (fp8_gemm.py), and there adding it after costs one FP32 rounding: we do that
+        # output (backends/fp8_gemm.py), and there adding it after costs one FP32 rounding: we do that
         fused = bias if out_dtype != torch.float32 else None
         # _scaled_mm wants a row-major and b column-major: W^T of a row-major W is just that
         y = scaled_mm(x_fp8, w8.data.t(), x_scale.reciprocal(), w8.scale.reciprocal(), fused, out_dtype,
@@ -180,8 +208,9 @@ class FP8Linear(nn.Module):
     backward: BF16 (grad="bf16"), or the output gradient in E5M2 (grad="e5m2", TE's HYBRID).
 
     Recompute (checkpoint.py): a forward only max-folds its amax into `step_amax`, and not
-    when recomputing; `fold_amax()`, once per optimizer step, pushes it into the history and
-    recomputes the scales: a re-run uses the forward's scales (same bits), the history moves once.
+    in a re-run (`recording` is off there: Rerun); `fold_amax()`, once per optimizer step,
+    pushes it into the history and recomputes the scales: a re-run uses the forward's scales
+    (same bits), the history moves once.
 
     What it stores (for memory_ledger.py), per layer of shape in -> out, history length H:
       parameters: weight (out, in) and bias (out,) in BF16 (FP32 master and AdamW state in
@@ -228,6 +257,8 @@ class FP8Linear(nn.Module):
                              persistent=False)
         self.recorded_forwards = 0  # forwards that recorded an amax since the last fold (recomputes excluded)
         self.weight_copy = None  # WeightCopy kept for this optimizer step, or None
+        self.weight_mode = "fresh"  # which FP8 weight a forward uses (WEIGHT_MODES), set around each forward
+        self.recording = True  # a forward records its amax (not a recompute's re-run: Rerun)
 
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, recipe={self.recipe}, "
@@ -255,7 +286,7 @@ class FP8Linear(nn.Module):
     def _reusable_copy(self):
         """The kept FP8 weight, where this forward may use it: mode "reuse", W unchanged since."""
         copy = self.weight_copy
-        if weight_mode() != "reuse" or copy is None or copy.version != self.weight._version:
+        if self.weight_mode != "reuse" or copy is None or copy.version != self.weight._version:
             return None
         return copy
 
@@ -266,13 +297,13 @@ class FP8Linear(nn.Module):
             scales = self._scales(amax, [0, 1])
             # record once per real forward: a recomputed forward (in backward) sees the same
             # tensors and must neither move the state nor change the scales it uses
-            if self.training and not checkpoint.is_recomputing():
+            if self.training and self.recording:
                 self.step_amax[:2] = torch.maximum(self.step_amax[:2], amax)
                 self.recorded_forwards += 1
             if w8 is None:
                 w8 = WeightCopy(quantize(self.weight.detach(), scales[1], E4M3, self.saturate), scales[1],
                                 amax[1], self.weight._version)
-                if weight_mode() != "fresh":
+                if self.weight_mode != "fresh":
                     self.weight_copy = w8
         return _FP8LinearFunction.apply(x, self.weight, self.bias, scales[0], w8, self)
 
@@ -294,7 +325,7 @@ class FP8Linear(nn.Module):
         more forwards here, and our scales hold for a whole step (so recompute and the kept FP8
         weight reuse the forward's bytes); a NaN amax counts as 0 (TE's kernels skip NaN elements);
         with no history yet we use current scaling where TE starts from scale 1; evaluation
-        records nothing (TE's does, fp8_te.py)."""
+        records nothing (TE's does, backends/fp8_te.py)."""
         if self.recorded_forwards == 0:
             return  # no training forward since the last fold (nothing to push)
         amax = torch.nan_to_num(self.step_amax, nan=0.0, posinf=math.inf)
@@ -308,16 +339,13 @@ class FP8Linear(nn.Module):
         self.recorded_forwards = 0
 
 
-def layers(model):
-    """The native FP8 Linears of a model (their amax is folded once per optimizer step)."""
-    return [m for m in model.modules() if isinstance(m, FP8Linear)]
-
-
 def release_weight_copies(fp8_layers):
     """Before the optimizer step changes the weights: drop the FP8 copies kept for this step
-    (stale after it, and they would only add to the optimizer step's peak)."""
+    (stale after it, and they would only add to the optimizer step's peak). Transformer
+    Engine keeps its own cache."""
     for m in fp8_layers:
-        m.weight_copy = None
+        if isinstance(m, FP8Linear):
+            m.weight_copy = None
 
 
 @torch.no_grad()
@@ -325,6 +353,7 @@ def fold_amax(fp8_layers, across_ranks=False):
     """Once per optimizer step: every layer pushes the step's amax into its history and
     recomputes its scales. Under DDP every rank must quantize with the same scales, so
     first the max amax over ranks (one all-reduce for all layers), as Transformer Engine does."""
+    fp8_layers = [m for m in fp8_layers if isinstance(m, FP8Linear)]  # Transformer Engine folds its own
     if not fp8_layers:
         return
     if across_ranks:

@@ -17,7 +17,7 @@ to nothing when added in 16 bits; in FP32 it accumulates until it shows.
 PRECISION=fp16 is the same with FP16 parameters, the loss multiplied by the scaler's
 scale before backward and divided out in step 2, and a step with inf/NaN skipped.
 PRECISION=fp8 keeps BF16 parameters and the BF16 workflow; only the Linears' matmuls
-run in FP8: our FP8Linear (fp8.py) or Transformer Engine's (fp8_te.py).
+run in FP8: our FP8Linear (fp8.py) or Transformer Engine's (backends/fp8_te.py).
 """
 import functools
 import math
@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-import checkpoint
 import fp8
-import fp8_te
+from backends import fp8_te
 from fp8 import Settings as FP8Settings
 from model import default_linear
 
@@ -78,28 +77,32 @@ class Recipe:
         return functools.partial(fp8.FP8Linear, recipe=self.fp8.scaling, amax_history=self.fp8.history,
                                  margin=self.fp8.margin, grad=self.fp8.grad)
 
-    def forward_context(self, micro_step=None):
-        """Entered around every forward. micro_step: its index in accumulation_step's optimizer
-        step (0 = the first), None outside one (evaluation, sampling). For FP8 it says which FP8
-        weight the Linears use (fp8.WEIGHT_MODES: quantized once per optimizer step, at micro-step
-        0), opens Transformer Engine's FP8 autocast for fp8_backend=te, and tells checkpoint.py
-        what a recomputed forward must re-enter (`_recompute_contexts`)."""
+    def forward_context(self, model, micro_step=None):
+        """Entered around every forward of `model`. micro_step: its index in accumulation_step's
+        optimizer step (0 = the first), None outside one (evaluation, sampling). For FP8 it tells
+        each FP8 Linear of the model which FP8 weight to use (fp8.WEIGHT_MODES: quantized once
+        per optimizer step, at micro-step 0) and opens Transformer Engine's FP8 autocast for
+        fp8_backend=te. A context manager because, like torch.autocast, it holds for all the
+        forward calls and ends with it."""
         if self.fp8 is None:
             return nullcontext()
         mode = "fresh" if micro_step is None else "refresh" if micro_step == 0 else "reuse"
         te_autocast = fp8_te.autocast(self.fp8) if self.fp8.backend == "te" else nullcontext()
-        return _all_of(fp8.weight_copies(mode), te_autocast,
-                       checkpoint.recompute_contexts(functools.partial(self._recompute_contexts, mode)))
+        return _all_of(fp8.weight_copies(fp8.layers(model), mode), te_autocast)
 
-    def _recompute_contexts(self, mode):
-        """(around a recompute unit's forward, around its re-run in backward). The re-run uses the
-        FP8 weight its forward used (same step, same bytes); under TE it also re-enters TE's FP8
-        autocast with TE's recompute-phase flags (fp8_te.recompute_contexts)."""
-        rerun_mode = "fresh" if mode == "fresh" else "reuse"
+    def recompute_contexts(self, modules):
+        """(around a recompute unit's forward, around its re-run in backward) for the unit made of
+        `modules`, asked at the unit's forward (checkpoint.apply_policy gets this method from
+        train.build). The re-run uses the FP8 weight its forward used and records no amax
+        (fp8.Rerun); under TE it also re-enters TE's FP8 autocast with TE's recompute-phase
+        flags (fp8_te.recompute_contexts)."""
+        if self.fp8 is None:
+            return nullcontext(), nullcontext()
+        rerun = fp8.Rerun([m for module in modules for m in fp8.layers(module)])
         if self.fp8.backend != "te":
-            return nullcontext(), fp8.weight_copies(rerun_mode)
+            return nullcontext(), rerun
         around_forward, around_rerun = fp8_te.recompute_contexts(self.fp8)
-        return around_forward, _all_of(fp8.weight_copies(rerun_mode), *around_rerun)
+        return around_forward, _all_of(rerun, *around_rerun)
 
     def loss_scaler(self):
         return LossScaler(self.loss_scaling, init_scale=self.static_scale, hysteresis=self.hysteresis)

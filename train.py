@@ -27,11 +27,11 @@ import checkpoint
 import config
 import flops
 import fp8
-import memory_run
 import precision
 import snapshot
 from config import RunError, UsageError
 from data import Batches, load_tokens, split_tokens
+from ledger import run as ledger_run
 from model import GPT
 
 
@@ -47,14 +47,14 @@ def build(cfg, device=None):
     """(model, accumulate.StepParts) for cfg: the model in its precision, with its recompute
     policy, and everything an optimizer step needs. Used by the loop, the tools and the tests."""
     device = device or pick_device(cfg)
-    memory_run.check_fits(cfg, device)  # a shape this machine cannot hold is refused before it is built
+    ledger_run.check_fits(cfg, device)  # a shape this machine cannot hold is refused before it is built
     recipe = precision.recipe(cfg)
     try:
         recipe.check_device(device)
         torch.manual_seed(cfg.seed)
         model = GPT(cfg, linear_factory=recipe.linear_factory())
         model.to(device=device, dtype=recipe.param_dtype)
-        checkpoint.apply_policy(model, cfg.ckpt, cfg.ckpt_segment)
+        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts)
         optimizer = precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights,
                                                     lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                                     betas=(cfg.beta1, cfg.beta2), grad_clip=cfg.grad_clip)
@@ -95,7 +95,7 @@ def estimate_loss(model, batches, iters, recipe):
     model.eval()
     losses = []
     for _ in range(iters):
-        with recipe.forward_context():  # TE's FP8 autocast, so evaluation runs in the precision trained in
+        with recipe.forward_context(model):  # TE's FP8 autocast, so evaluation runs in the precision trained in
             losses.append(model(*batches.next())[1].item())
     model.train()
     return sum(losses) / len(losses)
@@ -131,7 +131,7 @@ def preflight(cfg, device, rank):
     (the snapshot to resume from or None, train tokens, validation tokens)."""
     if cfg.memory_snapshot and device.type != "cuda":
         raise UsageError("--memory_snapshot records the CUDA allocator's history: it needs a CUDA device")
-    memory_run.check_fits(cfg, device)
+    ledger_run.check_fits(cfg, device)
     snap, path = None, Path(cfg.out_dir) / snapshot.FILE
     if cfg.resume:
         snap = snapshot.read(path)
@@ -179,7 +179,7 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
     master = rank == 0
     seqs, tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
     flops_per_token = model.flops_per_token()
-    hw_flops_per_token = flops_per_token + checkpoint.recompute_flops_per_token(model, cfg.ckpt, cfg.ckpt_segment)
+    hw_flops_per_token = flops_per_token + checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg))
     peak = flops.peak_flops(cfg, parts.recipe, device)
     if master:
         log(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
@@ -191,7 +191,7 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
         out_dir.mkdir(parents=True, exist_ok=True)
     history = []
     if master and cfg.memory_snapshot:
-        memory_run.start_history()
+        ledger_run.start_history()
     t_last, tokens_since = time.perf_counter(), 0
     for step in range(start_step, cfg.max_iters):
         parts.optimizer.set_lr(lr_at(cfg, step))
@@ -201,9 +201,9 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
         history.append(dict(step=step + 1, loss=loss, stepped=stepped, grad_norm=grad_norm,
                             loss_scale=parts.scaler.loss_scale))
         if master and step == start_step and cfg.ledger:
-            log(memory_run.ledger_line(cfg, device))
-        if master and cfg.memory_snapshot and step + 1 == min(start_step + memory_run.HISTORY_STEPS, cfg.max_iters):
-            memory_run.save_history(out_dir / "memory_snapshot.pickle")
+            log(ledger_run.ledger_line(cfg, device))
+        if master and cfg.memory_snapshot and step + 1 == min(start_step + ledger_run.HISTORY_STEPS, cfg.max_iters):
+            ledger_run.save_history(out_dir / "memory_snapshot.pickle")
             log(f"wrote {out_dir / 'memory_snapshot.pickle'}: the allocator's history of the first steps; "
                 f"open it at https://pytorch.org/memory_viz")
         if master and ((step + 1) % cfg.log_interval == 0 or step + 1 == cfg.max_iters):
@@ -215,7 +215,7 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
             per_device = tok_s / world_size  # MFU compares one device's work with one device's peak
             mfu, hfu = (flops.utilization(per_device, f, peak) for f in (flops_per_token, hw_flops_per_token))
             pct = lambda u: "n/a" if u is None else f"{100 * u:.1f}%"
-            mem_text, _ = memory_run.now(device)
+            mem_text, _ = ledger_run.now(device)
             log(f"step {step + 1:5d} | loss {loss:.4f} | lr {lr_at(cfg, step):.2e} | {1000 * dt / n_steps:7.1f} ms/step"
                 f" | {tok_s / 1e3:7.1f}k tok/s | MFU {pct(mfu)} HFU {pct(hfu)} | mem {mem_text}"
                 f" | scale {parts.scaler.loss_scale:g} skipped {parts.scaler.skipped_steps}")
@@ -284,11 +284,24 @@ def run(program, argv):
         signal.signal(signal.SIGTERM, previous)
 
 
+def parse_args(argv, *extra):
+    """config.parse_args, then the rules a chapter file owns: the recompute policy's
+    (checkpoint.policy: one that exists, and can run with this config). Every program parses here."""
+    parsed = config.parse_args(argv, *extra)
+    checkpoint.policy(parsed[0] if extra else parsed)
+    return parsed
+
+
+def usage(program="train.py", *extra):
+    """--help: every key, CKPT's choices read from checkpoint.POLICIES."""
+    return config.usage(program, *extra, choices=dict(ckpt=tuple(checkpoint.POLICIES)))
+
+
 def program(argv):
     if any(a in ("-h", "--help") for a in argv):
-        print(config.usage("train.py"))
+        print(usage("train.py"))
         return 0
-    cfg = config.parse_args(argv)
+    cfg = parse_args(argv)
     if cfg.sample_only and config.given(argv) & {"data", "resume"}:
         raise UsageError("--sample_only reads the snapshot in out_dir: --data and --resume do not apply")
     sample_from_snapshot(cfg) if cfg.sample_only else train(cfg)

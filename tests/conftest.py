@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config, items):
     import fp8
     no_cuda = pytest.mark.skip(reason="no CUDA device on this machine (make gpu-check runs these on a GPU)")
     # the native FP8 matmul needs torch's float8 dtypes (on CPU it runs as a BF16 matmul,
-    # fp8_gemm.py): where they are missing, skip the tests that build FP8 models, which carry
+    # backends/fp8_gemm.py): where they are missing, skip the tests that build FP8 models, which carry
     # "fp8" in their names
     fp8_error = fp8.fp8_matmul_error("cpu")
     no_fp8 = pytest.mark.skip(reason=f"native FP8 cannot run here: {fp8_error}")

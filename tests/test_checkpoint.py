@@ -17,8 +17,8 @@ import accumulate
 import checkpoint
 import memory_ledger
 import precision
-from config import Config
-from memory_measure import SavedBytes
+from config import Config, UsageError
+from ledger.measure import SavedBytes
 from model import GPT, run_blocks_in_order
 from tools.demos import counted_step_flops
 
@@ -39,8 +39,14 @@ def one_thread():
 
 def make_model(policy="none", segment=0, dtype=torch.float32, **cfg):
     torch.manual_seed(0)
-    model = GPT(Config(**{**SMALL, **cfg})).to(dtype)
-    return checkpoint.apply_policy(model, policy, segment)
+    config = Config(**{**SMALL, **cfg, "ckpt": policy, "ckpt_segment": segment})
+    model = GPT(config).to(dtype)
+    return checkpoint.apply_policy(model, checkpoint.policy(config))
+
+
+def units(policy, n_layer, segment=0):
+    """The runs of blocks a policy recomputes as units."""
+    return checkpoint.POLICIES[policy](segment).block_units(n_layer)
 
 
 def batch(vocab=256, seed=1, b=B, t=T):
@@ -60,12 +66,12 @@ def train_step(model, x, y, seed=123):
 
 def apply_oracle(model, policy, segment=0):
     """The same recompute units as apply_policy, with torch.utils.checkpoint doing the work."""
-    checkpoint.apply_policy(model, "none")
+    checkpoint.apply_policy(model, checkpoint.NoRecompute())
     if policy in ("full", "sqrt"):
-        units = checkpoint.segments(len(model.h), policy, segment)
+        groups = units(policy, len(model.h), segment)
 
         def run(blocks, x):
-            for unit in units:
+            for unit in groups:
                 x = torch_checkpoint(run_blocks_in_order, [blocks[i] for i in unit], x, use_reentrant=False)
             return x
         model.block_runner = run
@@ -127,8 +133,7 @@ def test_recomputed_dropout_masks_equal_the_forward_masks(policy, segment, monke
     if policy == "selective":
         expected = [per_block[i][0] for i in reversed(range(len(model.h)))]  # the core alone, last block first
     else:
-        units = checkpoint.segments(len(model.h), policy, segment)
-        expected = [m for unit in reversed(units) for i in unit for m in per_block[i]]
+        expected = [m for unit in reversed(units(policy, len(model.h), segment)) for i in unit for m in per_block[i]]
     assert len(forward) == 1 + 3 * len(model.h) and len(rerun) == len(expected)
     for got, want in zip(rerun, expected):
         assert torch.equal(got, want)
@@ -277,8 +282,8 @@ def test_recompute_tuple_output_with_an_unused_output():
 
 
 def test_recompute_contexts_wrap_the_forward_and_the_rerun():
-    # what a precision needs around a unit (TE's recompute flags, fp8's weight mode): one
-    # context around the forward, one around the re-run, each entered once, made per unit
+    # what a precision needs around a unit (TE's recompute flags, fp8's weight mode): one context
+    # around the forward, one around the re-run, made per unit from the callable the caller passes
     log, state = [], []
 
     class Tag:
@@ -297,34 +302,93 @@ def test_recompute_contexts_wrap_the_forward_and_the_rerun():
 
     x = torch.randn(4, requires_grad=True)
     fn = lambda t: (log.append((list(state), checkpoint.is_recomputing())) or t.sin())  # noqa: E731
-    with checkpoint.recompute_contexts(make):
-        out = checkpoint.recompute(fn, x)
-        core = checkpoint.recompute_core(fn, x)  # selective's unit: no precision context
+    out = checkpoint.recompute(fn, x, contexts=make)
+    core = checkpoint.recompute_core(fn, x)  # selective's unit: no precision context
     (out + core).sum().backward()
     assert log[0] == "made" and log[1] == (["forward"], False) and log[2] == ([], False)
     assert sorted(map(str, log[3:])) == sorted(map(str, [([], True), (["rerun"], True)]))
-    assert checkpoint._make_contexts is None  # closed again
     assert torch.equal(x.grad, 2 * x.detach().cos())
+    with torch.no_grad():  # evaluation: nothing is recomputed, so no context is made
+        checkpoint.recompute(fn, x, contexts=make)
+    assert log.count("made") == 1
 
 
 # ---------------------------------------------------------------- policies
 
-def test_segments():
-    assert checkpoint.segments(4, "full") == [[0], [1], [2], [3]]
-    assert checkpoint.segments(9, "sqrt") == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    assert checkpoint.segments(4, "sqrt", 3) == [[0, 1, 2], [3]]
-    assert checkpoint.segments(2, "sqrt", 5) == [[0, 1]]
-    assert checkpoint.segments(4, "none") == [] and checkpoint.segments(4, "selective") == []
+def test_each_policy_says_its_units():
+    assert units("full", 4) == [[0], [1], [2], [3]]
+    assert units("sqrt", 9) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert units("sqrt", 4, 3) == [[0, 1, 2], [3]]
+    assert units("sqrt", 2, 5) == [[0, 1]]
+    assert units("none", 4) == [] and units("selective", 4) == []
+    assert checkpoint.Selective().core_units(3) == [0, 1, 2] and checkpoint.Full().core_units(3) == []
 
 
-def test_bad_policies_raise():
-    with pytest.raises(ValueError, match="attn=manual"):
+def test_bad_policies_are_refused_in_words():
+    with pytest.raises(UsageError, match="attn=manual"):
         make_model("selective", attn="sdpa")
-    with pytest.raises(ValueError, match="none|full|sqrt|selective"):
-        make_model("every_other")
-    with pytest.raises(ValueError, match="ckpt_segment"):
-        make_model("sqrt", segment=-1)
+    with pytest.raises(UsageError, match="none|full|sqrt|selective"):
+        make_model("every_other")  # a policy nobody wrote cannot be asked for
+    with pytest.raises(UsageError, match="ckpt_segment applies to ckpt=sqrt"):
+        make_model("full", segment=2)
+    with pytest.raises(UsageError, match="more blocks than n_layer"):
+        make_model("sqrt", segment=5)
     make_model("full", attn="sdpa")  # whole blocks recompute fine around sdpa
+
+
+class Scattered(checkpoint.Policy):
+    name = "scattered"
+
+    def block_units(self, n_layer):
+        return [[2, 0]]
+
+
+def test_a_policys_units_must_be_runs_of_blocks(monkeypatch):
+    monkeypatch.setitem(checkpoint.POLICIES, "scattered", Scattered)
+    with pytest.raises(ValueError, match="consecutive"):
+        make_model("scattered")
+
+
+class EveryOther(checkpoint.Policy):
+    """A policy a learner might add: every other block recomputed (0, 2, ...), the rest kept."""
+    name, help = "every_other", "blocks 0, 2, 4, ... recomputed, the others kept"
+
+    def block_units(self, n_layer):
+        return [[i] for i in range(0, n_layer, 2)]
+
+
+def test_a_new_policy_is_one_class(monkeypatch, tmp_path):
+    """Registered in checkpoint.POLICIES and nowhere else, a policy trains, its gradients equal
+    ckpt=none's and torch.utils.checkpoint's on the same units bit for bit, its HFU counts its
+    re-runs, `--help` lists it, and the ledger predicts what it saves and its peak to the byte."""
+    import train
+    from tools import ledger as tool
+    monkeypatch.setitem(checkpoint.POLICIES, "every_other", EveryOther)
+    x, y = batch()
+    ref = train_step(make_model("none", dropout=0.2), x, y)
+    ours = train_step(make_model("every_other", dropout=0.2), x, y)
+    assert_same(ours, ref)
+    oracle = make_model(dropout=0.2)
+    inner = oracle.block_runner
+
+    def run(blocks, h):
+        for i, block in enumerate(blocks):
+            h = torch_checkpoint(block, h, use_reentrant=False) if i % 2 == 0 else block(h)
+        return h
+    oracle.block_runner = run
+    assert_same(ours, train_step(oracle, x, y))
+    assert inner is run_blocks_in_order
+    per_token = checkpoint.recompute_flops_per_token(make_model("every_other"), EveryOther())
+    assert per_token * 2 == checkpoint.recompute_flops_per_token(make_model("full"), checkpoint.Full())
+    assert "every_other" in train.usage()
+    flags = ["--n_layer=3", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--max_iters=2",
+             "--sample_tokens=0", "--ledger=false", "--ckpt=every_other", f"--out_dir={tmp_path}"]
+    assert train.main(flags) == 0 and (tmp_path / "snapshot.pt").exists()
+    cfg = train.parse_args(flags[:5] + ["--ckpt=every_other", "--dropout=0.1", "--device=cpu"])
+    meas = tool.run_config(cfg, torch.device("cpu"))
+    rows, ok = tool.compare(cfg, meas)
+    assert ok and rows[-1][1] == rows[-1][2], tool.failure(cfg, rows, meas)
+    assert memory_ledger.rng_state_bytes(cfg) == 2 * torch.get_rng_state().numel()  # units 0 and 2
 
 
 # ---------------------------------------------------------------- FLOPs
@@ -363,7 +427,7 @@ def test_recompute_flops():
     step_ratio = (total["full"] - total["none"]) / total["none"]
     assert 0.25 < step_ratio < 1 / 3  # the embedding/head, not recomputed, dilute the 33%
     for policy in ("none", "full", "sqrt", "selective"):  # HFU's extra term is the counted extra
-        per_token = checkpoint.recompute_flops_per_token(models[policy], policy)
+        per_token = checkpoint.recompute_flops_per_token(models[policy], checkpoint.POLICIES[policy]())
         assert per_token * B * T == total[policy] - total["none"], policy
 
 
@@ -486,5 +550,6 @@ def test_counted_step_flops_cli_agrees_with_the_formula():
     model = make_model("none", n_layer=3, n_embd=32, n_head=2, block_size=16)
     tokens = 2 * 16
     for policy in ("full", "sqrt", "selective"):
-        assert counted[policy] - counted["none"] == checkpoint.recompute_flops_per_token(model, policy) * tokens
+        extra = checkpoint.recompute_flops_per_token(model, checkpoint.POLICIES[policy]())
+        assert counted[policy] - counted["none"] == extra * tokens
     assert counted["none"] == model.flops_per_token() * tokens

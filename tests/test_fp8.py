@@ -1,4 +1,4 @@
-"""fp8.py, fp8_gemm.py and fp8_te.py: quantization, the scales of both recipes step by step,
+"""fp8.py, backends/fp8_gemm.py and backends/fp8_te.py: quantization, the scales of both recipes step by step,
 the three GEMMs exactly where the math is exact, CUDA's _scaled_mm rules held on CPU, the CPU
 GEMM against torch._scaled_mm, the FP8 weight quantized once per optimizer step, recompute,
 training, and Transformer Engine's wiring (with a stand-in TE on CPU, the real one on a GPU).
@@ -19,8 +19,7 @@ import accumulate
 import checkpoint
 import data
 import fp8
-import fp8_gemm
-import fp8_te
+from backends import fp8_gemm, fp8_te
 import train
 from config import parse_args
 from conftest import ROOT, merged
@@ -412,8 +411,8 @@ class FreshEveryForward:
     def __init__(self, recipe):
         self.recipe = recipe
 
-    def forward_context(self, micro_step=None):
-        return self.recipe.forward_context()
+    def forward_context(self, model, micro_step=None):
+        return self.recipe.forward_context(model)
 
 
 def count_weight_quantizations(monkeypatch, model):
@@ -462,19 +461,19 @@ def test_fp8_weights_quantized_once_per_optimizer_step(tmp_path, monkeypatch, gr
 
 def test_fp8_kept_weight_is_quantized_again_when_the_weight_changes(monkeypatch):
     layer, x = fp8_layer()
-    with fp8.weight_copies("refresh"):
+    with fp8.weight_copies([layer], "refresh"):
         layer(x)
     kept = layer.weight_copy
     seen, _ = count_weight_quantizations(monkeypatch, torch.nn.Sequential(layer))
-    with fp8.weight_copies("reuse"):
+    with fp8.weight_copies([layer], "reuse"):
         layer(x)
     assert seen == [] and layer.weight_copy is kept  # unchanged: the kept bytes
     with torch.no_grad():
         layer.weight.mul_(2)  # any in-place change bumps the weight's version
-    with fp8.weight_copies("reuse"):
+    with fp8.weight_copies([layer], "reuse"):
         y = layer(x)
     assert len(seen) == 1 and layer.weight_copy is not kept
-    with fp8.weight_copies("fresh"):
+    with fp8.weight_copies([layer], "fresh"):
         assert torch.equal(y, layer(x))
 
 
@@ -491,7 +490,7 @@ def test_fp8_model_gradients_reach_every_parameter(tmp_path):
             assert all(p.dtype == torch.bfloat16 for p in model.parameters())
             assert all(m.dtype == torch.float32 for m in parts.optimizer.master_params)
         x, y = batches_of(cfg).next()
-        with parts.recipe.forward_context():
+        with parts.recipe.forward_context(model):
             _, loss = model(x, y)
         parts.scaler.backward(loss)
         grads[prec] = {n: p.grad for n, p in model.named_parameters()}
@@ -524,7 +523,7 @@ def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe):
         for step in range(3):
             calls.clear()
             x, y = batches.next()
-            with parts.recipe.forward_context():
+            with parts.recipe.forward_context(model):
                 _, loss = model(x, y)
             parts.scaler.backward(loss)
             grads.append([p.grad.clone() for p in model.parameters()])
@@ -573,7 +572,7 @@ def test_fp8_buffers_go_in_snapshots(tmp_path):
 
 @pytest.fixture
 def fake_te(monkeypatch):
-    """transformer_engine.pytorch as far as fp8_te.py uses it, recording what it is asked:
+    """transformer_engine.pytorch as far as backends/fp8_te.py uses it, recording what it is asked:
     ("linear", is_first_microbatch, in recompute phase?, autocast depth), ("phase", recompute_phase),
     ("autocast",). TE's own behaviour behind those calls is for the CUDA tests below."""
     events, state = [], dict(phase=None, depth=0)
@@ -632,7 +631,7 @@ def test_te_linears_are_told_the_micro_step(tmp_path, fake_te):
     assert [e[1] for e in linear] == [True] * n + [False] * 2 * n
     assert all(e[3] == 1 for e in linear)  # every forward inside TE's FP8 autocast
     events.clear()
-    with torch.no_grad(), parts.recipe.forward_context():  # evaluation: no micro-step, as before
+    with torch.no_grad(), parts.recipe.forward_context(model):  # evaluation: no micro-step, as before
         model(*batches.next())
     assert [e[1] for e in events if e[0] == "linear"] == [None] * n
 
@@ -642,7 +641,7 @@ def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fak
     _, events = fake_te
     cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", f"--ckpt={ckpt}", "--n_layer=4")
     model, parts = train.build(cfg, torch.device("cpu"))
-    n, units, batches = 4 * cfg.n_layer, len(checkpoint.segments(cfg.n_layer, ckpt)), batches_of(cfg)
+    n, units, batches = 4 * cfg.n_layer, len(checkpoint.POLICIES[ckpt]().block_units(cfg.n_layer)), batches_of(cfg)
     accumulate.accumulation_step(model, parts, [batches.next() for _ in range(2)])
     linear = [e for e in events if e[0] == "linear"]
     first = [e for e in linear if e[2] is False]
@@ -657,7 +656,7 @@ def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fak
     rerun_starts = [i for i, e in enumerate(events) if e == ("phase", True)]
     assert all(events[i + 1] == ("autocast",) for i in rerun_starts)
     events.clear()
-    with torch.no_grad(), parts.recipe.forward_context():  # evaluation: no backward, so no recompute flags
+    with torch.no_grad(), parts.recipe.forward_context(model):  # evaluation: no backward, so no recompute flags
         model(*batches.next())
     assert not [e for e in events if e[0] == "phase"] and len([e for e in events if e[0] == "linear"]) == n
 
@@ -810,6 +809,6 @@ def test_te_caches_the_fp8_weight_only_under_accumulation(tmp_path):
     assert all(len(m._fp8_workspaces) > 0 for m in linears)  # the weight, cached by is_first_microbatch
     cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", "--device=cuda", "--n_embd=64")
     fresh, fresh_parts = train.build(cfg)
-    with torch.no_grad(), fresh_parts.recipe.forward_context():  # evaluation: nothing cached
+    with torch.no_grad(), fresh_parts.recipe.forward_context(fresh):  # evaluation: nothing cached
         fresh(*data.Batches(data.load_tokens(""), cfg.block_size, cfg.batch_size, 0, torch.device("cuda")).next())
     assert all(len(m._fp8_workspaces) == 0 for m in fresh.modules() if isinstance(m, te.Linear))

@@ -58,7 +58,7 @@ def test_help_says_how_to_print_the_what_if_alone(capsys):
 def test_cli_exits_1_when_a_check_misses(tmp_path, monkeypatch, capsys, target):
     real = getattr(ml, target)
     if target == "activation_terms":  # one byte off is a miss on CPU
-        monkeypatch.setattr(ml, target, lambda c: real(c) + [("one byte", 1)])
+        monkeypatch.setattr(ml, target, lambda c: real(c) + [ml.Term("one byte", 1, "head", False)])
     else:  # a peak 3% high misses the 2% check
         def high(cfg, shard=1):
             w = real(cfg, shard)

@@ -1,17 +1,22 @@
-"""The memory ledger: every formula against measured bytes, exact on CPU; MemTracker as a second counter."""
+"""The memory ledger: every formula against measured bytes, exact on CPU; MemTracker as a second counter;
+what the ledger says when the model changes and its description does not."""
 import itertools
 from dataclasses import replace
 
 import pytest
 import torch
 
+import torch.nn as nn
+import torch.nn.functional as F
+
 import accumulate
 import checkpoint
 import memory_ledger as ml
-import memory_measure
+import model
 import train
 from config import Config, parse_args
 from conftest import merged
+from ledger import explain, measure
 from tools import ledger as tool
 
 TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--seed=3"]
@@ -38,10 +43,11 @@ def combinations():
 @pytest.mark.parametrize("argv", list(combinations()), ids=lambda a: "-".join(x.partition("=")[2] for x in a))
 def test_every_component_exact(argv):
     # the 'fp8' in an id lets conftest skip those where torch._scaled_mm cannot run on this CPU
-    cfg, rows, ok, _ = ledger(argv)
-    for k in ml.COMPONENTS + ("peak",):
-        assert rows[k][2] == rows[k][1], (k, rows[k])  # measured == predicted, to the byte; the walk's peak too
-    assert ok, rows
+    cfg, rows, ok, meas = ledger(argv)
+    # measured == predicted, to the byte, the walk's peak too; and every saved tensor explained by a term
+    exact = all(rows[k][2] == rows[k][1] for k in ml.COMPONENTS + ("peak",))
+    assert exact and ok and not explain.report(cfg, meas["saved_tensors"]), \
+        tool.failure(cfg, rows.values(), meas)
 
 
 def one_sequence():
@@ -54,8 +60,9 @@ def one_sequence():
 
 @pytest.mark.parametrize("argv", list(one_sequence()), ids=lambda a: "-".join(x.partition("=")[2] for x in a))
 def test_every_component_exact_for_one_sequence(argv):
-    _, rows, ok, _ = ledger(argv + ["--batch_size=1", "--block_size=32"])
-    assert ok and all(rows[k][2] == rows[k][1] for k in ml.COMPONENTS + ("peak",)), rows
+    cfg, rows, ok, meas = ledger(argv + ["--batch_size=1", "--block_size=32"])
+    exact = all(rows[k][2] == rows[k][1] for k in ml.COMPONENTS + ("peak",))
+    assert ok and exact, tool.failure(cfg, rows.values(), meas)
 
 
 @pytest.mark.parametrize("argv", [["--fp32_grad_accum", "--precision=bf16"], ["--ckpt=sqrt", "--ckpt_segment=1"],
@@ -65,18 +72,19 @@ def test_every_component_exact_for_one_sequence(argv):
                                   # 24 tokens: HYBRID's weight gradient dequantizes (FP8 GEMMs want multiples of 16)
                                   ["--precision=fp8", "--fp8_grad=e5m2", "--batch_size=1", "--block_size=24"]])
 def test_variants_exact(argv):
-    _, rows, ok, _ = ledger(argv)
-    assert ok and all(rows[k][2] == rows[k][1] for k in ml.COMPONENTS + ("peak",)), rows
+    cfg, rows, ok, meas = ledger(argv)
+    exact = all(rows[k][2] == rows[k][1] for k in ml.COMPONENTS + ("peak",))
+    assert ok and exact, tool.failure(cfg, rows.values(), meas)
 
 
 def test_fp8_sdpa_keeps_c_proj_input_apart():
     """Defect 1: with FP8Linear, c_proj saves its own E4M3 copy of its input, 1 byte per
     element, so the sdpa output is no longer c_proj's saved input: both are terms."""
-    cfg, rows, _, _ = ledger(["--precision=fp8", "--attn=sdpa"])
-    terms = dict(ml.block_activation_terms(cfg))
+    cfg, rows, _, meas = ledger(["--precision=fp8", "--attn=sdpa"])
+    terms = {t.name: t.nbytes for t in ml.block_activation_terms(cfg)}
     bsh = cfg.batch_size * cfg.block_size * cfg.n_embd
-    assert terms["c_proj input"] == bsh and terms["sdpa output"] == 2 * bsh
-    assert rows["activations"][2] == rows["activations"][1]
+    assert terms["attn.c_proj input"] == bsh and terms["attn.sdpa output"] == 2 * bsh
+    assert rows["activations"][2] == rows["activations"][1], tool.failure(cfg, rows.values(), meas)
 
 
 def test_cpu_comparison_has_no_tolerance(monkeypatch):
@@ -84,44 +92,110 @@ def test_cpu_comparison_has_no_tolerance(monkeypatch):
     cfg, _, ok, meas = ledger(["--precision=bf16"])
     assert ok
     real = ml.activation_terms
-    monkeypatch.setattr(ml, "activation_terms", lambda c: real(c) + [("one byte too many", 1)])
+    monkeypatch.setattr(ml, "activation_terms", lambda c: real(c) + [ml.Term("one byte too many", 1, "head", False)])
     rows, ok = tool.compare(cfg, meas)
     assert not ok and [r[0] for r in rows if not r[4]] == ["activations"]
+
+
+# ---------------------------------------------------------------- a change the description does not know yet
+
+def swapped(monkeypatch, change):
+    """Change model.py's block at test time, as a learner would, and leave the description alone."""
+    if change == "relu":  # saves its output (c_proj's input), not its input: one tensor fewer
+        monkeypatch.setattr(model.MLP, "forward", lambda self, x: self.dropout(self.c_proj(F.relu(self.c_fc(x)))))
+    elif change == "gate":  # gelu(x) * sigmoid(x): the sigmoid's output and the product's operands, more
+        monkeypatch.setattr(model.MLP, "forward", lambda self, x: self.dropout(self.c_proj(
+            F.gelu(self.c_fc(x)) * torch.sigmoid(self.c_fc(x)))))
+    elif change == "rmsnorm":  # nn.RMSNorm: on CPU a chain of ops in FP32, no mean
+        real = model.Block.__init__
+
+        def init(self, cfg, linear_factory):
+            real(self, cfg, linear_factory)
+            self.ln_1 = nn.RMSNorm(cfg.n_embd)
+        monkeypatch.setattr(model.Block, "__init__", init)
+
+
+@pytest.mark.parametrize("change,unexplained,not_saved", [
+    ("relu", [], ["mlp.gelu input, 8,192 bytes (in each block) (x2)"]),
+    ("gate", ["saved by h.*.mlp (MulBackward0, SigmoidBackward0): bfloat16 (2, 16, 128), 8,192 bytes (x2)",
+              "saved by h.*.mlp (MulBackward0): bfloat16 (2, 16, 128), 8,192 bytes (x2)"], []),
+    ("rmsnorm", ["saved by h.*.ln_1 (MulBackward0, RsqrtBackward0): float32 (2, 16, 1), 128 bytes (x2)"],
+     ["ln_1 mean, 64 bytes (in each block) (x2)", "ln_1 rstd, 64 bytes (in each block) (x2)"])])
+def test_the_ledger_names_what_its_description_does_not_explain(monkeypatch, change, unexplained, not_saved):
+    """A block that saves fewer or more tensors than memory_ledger.block says: the activations
+    miss, and the report names each measured tensor no term accounts for (the module and autograd
+    node that saved it, dtype, shape, bytes) and each term nothing matched; so do the tests' messages."""
+    swapped(monkeypatch, change)
+    cfg, rows, ok, meas = ledger(["--precision=bf16"])
+    assert not ok and not rows["activations"][4]
+    lines = explain.report(cfg, meas["saved_tensors"])
+    said = "\n".join(lines)
+    for text in unexplained:
+        assert "  unexplained, " + text in lines, said
+    for text in not_saved:
+        assert "  described but not saved: " + text in lines, said
+    extra, missing = explain.unexplained(cfg, meas["saved_tensors"])
+    assert sum(s.nbytes for s in extra) - sum(t.nbytes for _, t in missing) == \
+        rows["activations"][2] - rows["activations"][1]  # the report accounts for the whole difference
+    words = tool.failure(cfg, rows.values(), meas)
+    assert f"activations: predicted {rows['activations'][1]:,} bytes, measured {rows['activations'][2]:,}" in words
+    assert said in words
+    assert said in tool.format_comparison(cfg, list(rows.values()), meas)  # `make ledger` prints it too
+
+
+def test_a_description_that_follows_the_change_is_exact_again(monkeypatch):
+    """The loop the report is for: change model.Block (ReLU for GELU), change memory_ledger.mlp beside
+    it (ReLU saves its output, which c_proj saves too), and the ledger is exact again, the peak too."""
+    swapped(monkeypatch, "relu")
+    z = lambda g: g.sizes  # noqa: E731
+
+    def mlp(g, x):
+        return g.dropout("mlp.dropout", g.linear("mlp.c_proj", g.pointwise("mlp.relu", g.linear(
+            "mlp.c_fc", x, 4 * z(g).h, split="column"), saves="output"), z(g).h, split="row"))
+    monkeypatch.setattr(ml, "mlp", mlp)
+    ml._census.cache_clear()
+    try:
+        for argv in (["--precision=bf16"], ["--precision=fp32", "--ckpt=full", "--dropout=0.1"]):
+            cfg, rows, ok, meas = ledger(argv)
+            assert ok and rows["peak"][1] == rows["peak"][2], tool.failure(cfg, rows.values(), meas)
+            assert not explain.report(cfg, meas["saved_tensors"])
+    finally:
+        ml._census.cache_clear()
 
 
 def test_batch_of_one_row_has_two_storages():
     """Defect 3: for b = 1, x and y must not be views of one (s+1)-token storage."""
     cfg = parse_args(merged(*TINY, "--batch_size=1"))
-    x, y = memory_measure.random_batch(cfg, "cpu")
-    assert memory_measure.storage_key(x) != memory_measure.storage_key(y)
-    _, rows, ok, _ = ledger(["--batch_size=1"])
+    x, y = measure.random_batch(cfg, "cpu")
+    assert measure.storage_key(x) != measure.storage_key(y)
+    cfg, rows, ok, meas = ledger(["--batch_size=1"])
     assert rows["inputs"][2] == rows["inputs"][1] == 2 * cfg.block_size * 8
-    assert ok, rows
+    assert ok, tool.failure(cfg, rows.values(), meas)
 
 
 def test_activation_terms_are_what_autograd_saves():
     # the measured number comes from saved_tensors_hooks; removing one term must break the match
     sh, rows, _, meas = ledger(["--precision=bf16"])
     terms = ml.block_activation_terms(sh)
-    softmax = dict(terms)["softmax output"]
+    softmax = {t.name: t.nbytes for t in terms}["attn.softmax output"]
     assert softmax == sh.n_head * sh.block_size * sh.block_size * sh.batch_size * 2
     assert meas["activations"] - softmax * sh.n_layer != ml.activation_bytes(sh)
     assert meas["activations"] == ml.activation_bytes(sh)
     # masked_fill saves a view of the future_mask buffer: state (buffers), not an activation
-    assert not any("mask" in name and "dropout" not in name for name, _ in terms)
+    assert not any("mask" in t.name and "dropout" not in t.name for t in terms)
     assert meas["buffers"] == rows["buffers"][1] == sh.n_layer * sh.block_size * sh.block_size
 
 
 def test_saved_views_of_buffers_and_the_batch_are_not_activations():
     # the same forward with the buffers' and the batch's storages NOT excluded: they show up
     cfg = parse_args(TINY + ["--precision=fp32"])
-    model, _ = train.build(cfg, torch.device("cpu"))
-    x, y = memory_measure.random_batch(cfg, "cpu")
-    params = list(model.parameters())
+    gpt, _ = train.build(cfg, torch.device("cpu"))
+    x, y = measure.random_batch(cfg, "cpu")
+    params = list(gpt.parameters())
     counts = []
-    for static in (params, params + list(model.buffers()), params + list(model.buffers()) + [x, y]):
-        with memory_measure.SavedBytes(static) as saved:
-            model(x, y)
+    for static in (params, params + list(gpt.buffers()), params + list(gpt.buffers()) + [x, y]):
+        with measure.SavedBytes(static) as saved:
+            gpt(x, y)
         counts.append(saved.total)
     assert counts[0] - counts[1] == cfg.n_layer * cfg.block_size ** 2  # one bool mask per block
     assert counts[1] - counts[2] == ml.input_bytes(cfg)  # the embedding saves x, the loss y
@@ -130,7 +204,7 @@ def test_saved_views_of_buffers_and_the_batch_are_not_activations():
 def test_recompute_keeps_only_unit_inputs():
     _, _, _, m_none = ledger(["--precision=fp32", "--n_layer=4"])
     sh_full, _, _, m_full = ledger(["--precision=fp32", "--n_layer=4", "--ckpt=full"])
-    head = sum(v for _, v in ml.head_activation_terms(sh_full))
+    head = sum(t.nbytes for t in ml.outside_terms(sh_full))
     assert m_full["activations"] - head == 4 * sh_full.batch_size * sh_full.block_size * sh_full.n_embd * 4  # L inputs
     assert m_full["activations"] < m_none["activations"]
 
@@ -139,7 +213,7 @@ def test_recompute_keeps_only_unit_inputs():
 def test_recompute_rng_states_are_counted(ckpt, n_units):
     """Defect 8: each recompute unit keeps the CPU generator's state (host memory)."""
     cfg, rows, _, _ = ledger([f"--ckpt={ckpt}", "--n_layer=3"])
-    assert len(ml.units(cfg)) == n_units or ckpt == "selective"
+    assert len(ml.plan(cfg).units) == n_units or ckpt == "selective"
     assert rows["rng_states"][2] == rows["rng_states"][1] == n_units * torch.get_rng_state().numel()
 
 
@@ -171,20 +245,20 @@ def test_fp8_weight_copies():
 @pytest.mark.parametrize("argv", [["--precision=fp8"], ["--precision=fp8", "--fp8_grad=e5m2", "--ckpt=full"],
                                   ["--precision=fp8", "--fp32_grad_accum"]])
 def test_fp8_copies_are_kept_across_micro_steps(argv):
-    """K = 2 (the walk and memory_measure take one micro-batch): micro-step 2 starts with what
+    """K = 2 (the walk and ledger/measure.py take one micro-batch): micro-step 2 starts with what
     micro-step 1 started with, plus micro-step 1's .grad (not where FP32 sums took them), the FP8
     copies it kept, state_bytes' fp8_kept (e5m2: the twins its backward made too), and two 4-byte
     scalars (micro-step 1's loss, the running total); after the optimizer step nothing is left."""
     cfg = replace(parse_args(merged(*TINY, *argv)), device="cpu")
-    model, parts = train.build(cfg, torch.device("cpu"))
-    batches = [memory_measure.random_batch(replace(cfg, seed=seed), "cpu") for seed in (3, 4)]
-    accumulate.accumulation_step(model, parts, batches)  # AdamW's states appear
-    opt, tracker, forwards = parts.optimizer, memory_measure.LiveTensors("cpu"), []
-    static = list(model.parameters()) + list(model.buffers()) + opt.master_params + opt.state_tensors()
+    gpt, parts = train.build(cfg, torch.device("cpu"))
+    batches = [measure.random_batch(replace(cfg, seed=seed), "cpu") for seed in (3, 4)]
+    accumulate.accumulation_step(gpt, parts, batches)  # AdamW's states appear
+    opt, tracker, forwards = parts.optimizer, measure.LiveTensors("cpu"), []
+    static = list(gpt.parameters()) + list(gpt.buffers()) + opt.master_params + opt.state_tensors()
     with tracker:
         tracker.adopt(static + (parts.grad_buffers or []) + [t for batch in batches for t in batch])
         start = tracker.read()
-        accumulate.accumulation_step(model, parts, batches,
+        accumulate.accumulation_step(gpt, parts, batches,
                                      observe=lambda phase: forwards.append(tracker.read()) if phase == "forward" else 0)
         end = tracker.read()
     grads = 0 if cfg.fp32_grad_accum else ml.state_bytes(cfg)["gradients"]
@@ -209,17 +283,17 @@ def test_memtracker_agrees(argv):
     holds three 4-byte scalars (the loss, the loss times its weight, backward's seed); the
     peak within 8 bytes (the optimizer step's 4-byte scalars are read at other moments)."""
     cfg = replace(parse_args(merged(*TINY, *argv)), device="cpu")
-    model, parts = train.build(cfg, torch.device("cpu"))
-    batch = memory_measure.random_batch(cfg, "cpu")
-    accumulate.accumulation_step(model, parts, [batch])
+    gpt, parts = train.build(cfg, torch.device("cpu"))
+    batch = measure.random_batch(cfg, "cpu")
+    accumulate.accumulation_step(gpt, parts, [batch])
     tracker = memtracker()()
     if not (hasattr(tracker, "memory_tracking") and hasattr(tracker, "get_tracker_snapshot")):
         pytest.skip("this torch's MemTracker keeps its per-module snapshots elsewhere")
-    tracker.track_external(model, parts.optimizer.adamw, *batch)
+    tracker.track_external(gpt, parts.optimizer.adamw, *batch)
     with tracker:
-        accumulate.accumulation_step(model, parts, [batch])
+        accumulate.accumulation_step(gpt, parts, [batch])
     peak = {str(k).rsplit(".", 1)[-1]: v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
-    pre_backward = tracker.memory_tracking[model].snapshots["Pre-Backward"][-1][torch.device("cpu")]
+    pre_backward = tracker.memory_tracking[gpt].snapshots["Pre-Backward"][-1][torch.device("cpu")]
     acts = {str(k).rsplit(".", 1)[-1]: v for k, v in pre_backward.items()}["ACT"]
     pred = ml.predicted(cfg)
     assert (peak["PARAM"], peak["BUFFER"], peak["GRAD"]) == (pred["parameters"], pred["buffers"], pred["gradients"])
@@ -229,7 +303,7 @@ def test_memtracker_agrees(argv):
 
 
 def test_param_count_matches_meta_model():
-    from memory_parallel import meta_param_count
+    from ledger.parallel import meta_param_count
     for L, h, a, s, V in [(2, 32, 2, 16, 256), (48, 1600, 25, 1024, 50257)]:
         for bias in (True, False):
             cfg = Config(n_layer=L, n_embd=h, n_head=a, block_size=s, vocab_size=V, bias=bias)
@@ -286,9 +360,9 @@ def test_cuda_allocator_matches_formulas(prec, ckpt):
     pred = ml.predicted(cfg)
     for k in ml.COMPONENTS:  # storage sizes (gradients, the batch, the host RNG states included): exact on CUDA too
         if k != "activations":
-            assert meas[k] == pred[k], (k, meas[k], pred[k])
+            assert meas[k] == pred[k], f"{k}: predicted {pred[k]:,} bytes, measured {meas[k]:,}"
     assert abs(meas["activations"] - pred["activations"]) <= tool.ACT_TOL_CUDA * pred["activations"]
-    assert ok, rows
+    assert ok, tool.failure(cfg, rows, meas)
 
 
 @pytest.mark.cuda
@@ -319,7 +393,7 @@ def test_cuda_layernorm_saves_fp32_statistics():
     ln = torch.nn.LayerNorm(64).to("cuda", torch.bfloat16)
     stats = [d for d, shape in saved_by(ln, x) if shape[:2] == (2, 8) and shape[-1] == 1]
     assert stats == [torch.float32, torch.float32]
-    assert ml._stat_bytes(Config(device="cuda")) == 4
+    assert ml.sizes(Config(device="cuda")).stat_bytes == 4
 
 
 @pytest.mark.cuda
@@ -328,7 +402,7 @@ def test_cuda_dropout_saves_a_one_byte_mask():
     x = torch.randn(1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     masks = [d for d, _ in saved_by(torch.nn.functional.dropout, x, 0.1, True)]
     assert masks == [torch.bool]
-    assert ml._mask_bytes(Config(device="cuda", precision="bf16")) == 1
+    assert ml.sizes(Config(device="cuda", precision="bf16")).mask_bytes == 1
 
 
 @pytest.mark.cuda
@@ -341,7 +415,7 @@ def test_cuda_sdpa_logsumexp_rows(dtype, rows):
     lse = [shape for d, shape in saved_by(sdpa, q, k, v) if d == torch.float32 and len(shape) == 3]
     assert lse == [(2, 4, rows)]
     cfg = Config(device="cuda", block_size=40, precision="fp32" if dtype == torch.float32 else "bf16")
-    assert ml._lse_rows(cfg) == rows
+    assert ml.sizes(cfg).lse_rows == rows
 
 
 @pytest.mark.cuda

@@ -3,10 +3,13 @@ from dataclasses import replace
 
 import pytest
 
+import torch
+
 import memory_ledger as ml
-import memory_papers
-import memory_parallel as mp
 from config import Config
+from ledger import papers
+from ledger import parallel as mp
+from model import GPT
 
 
 @pytest.mark.parametrize("s,b,h,a", [(2048, 1, 12288, 96), (1024, 4, 1600, 25), (16, 3, 32, 2)])
@@ -27,22 +30,22 @@ def test_korthikanti_per_layer_formula(s, b, h, a):
     # is a buffer and masked_fill saves a view of it
     sh = Config(n_layer=1, n_embd=h, n_head=a, block_size=s, batch_size=b, dropout=0.1, precision="bf16",
                 device="cuda")
-    assert sum(v for _, v in ml.block_activation_terms(sh)) == sum(terms.values()) + 16 * b * s
-    assert sum(v for _, v in ml.block_activation_terms(sh, "selective")) == selective + 16 * b * s
+    assert sum(t.nbytes for t in ml.block_activation_terms(sh)) == sum(terms.values()) + 16 * b * s
+    assert sum(t.nbytes for t in ml.block_activation_terms(sh, core_unit=True)) == selective + 16 * b * s
 
 
 def test_published_figures_are_reproduced_and_explained():
     """Defect 7: each Korthikanti row differs from ours by exactly the bytes its reason names
     (the LayerNorm statistics, computed from our terms), and ZeRO's Table 1 row is the same
     formula: equal unrounded, and within Table 1's rounding to 0.1 GB."""
-    rows = memory_papers.korthikanti_rows(t=8)
+    rows = papers.korthikanti_rows(t=8)
     assert len(rows) == 7
     for name, formula, paper, ours, explained, why in rows:
         assert ours - paper == explained, name
     gpt3 = mp.big_config("175B (GPT-3)", dropout=0.1)
     b, s = gpt3.batch_size, gpt3.block_size
     assert [r[4] for r in rows] == [16 * b * s] * 3 + [16 * b * s // 8, 16 * b * s, 16 * b * s // 8, 0]
-    zero = memory_papers.zero_rows()
+    zero = papers.zero_rows()
     assert zero[0][2:] == (16, 16)
     for name, _, paper, ours in zero[1:]:
         assert ours == paper and abs(round(paper, 1) - ours) < 0.05, name
@@ -68,29 +71,31 @@ def test_tp_without_sp_splits_only_the_logits_outside_the_blocks():
     """Defect 6 (TP): Megatron's TP without SP splits the vocab-parallel log-softmax; ln_f's
     input, output and statistics and the embedding dropout mask stay whole on every rank."""
     cfg = mp.big_config("175B (GPT-3)", dropout=0.1)
-    head = dict(ml.head_activation_terms(cfg))
+    outside = {t.name: t.nbytes for t in ml.outside_terms(cfg)}
     blocks = cfg.n_layer * mp.tp_block_bytes(cfg, 8, sp=False)
-    split = head.pop("log-softmax output (fp32)") + head.pop("loss total_weight")
-    assert mp.tp_components(cfg, 8, sp=False)["activations"] - blocks == split // 8 + sum(head.values())
+    split = outside.pop("log-softmax output (fp32)") + outside.pop("loss total_weight")
+    assert mp.tp_components(cfg, 8, sp=False)["activations"] - blocks == split // 8 + sum(outside.values())
     sp_blocks = cfg.n_layer * mp.tp_block_bytes(cfg, 8, sp=True)
     assert mp.tp_components(cfg, 8, sp=True)["activations"] - sp_blocks == \
-        sum(v // 8 for _, v in ml.head_activation_terms(cfg))
+        sum(t.nbytes // 8 for t in ml.outside_terms(cfg))
 
 
 def test_pp_stages_hold_their_own_terms():
     """Defect 6 (PP): the log-softmax lives on the last stage (one micro-batch in flight), the
     embeddings' terms on the first (p micro-batches); the tied wte sits on both ends."""
     cfg = Config(n_layer=8, n_embd=64, n_head=4, block_size=64, batch_size=2, dropout=0.1)
-    L, h, _, s, _, V = ml.dims(cfg)
+    L, h, s, V = cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.vocab_size
     first, last = mp.pp_stages(cfg, 4)
-    head = dict(ml.head_activation_terms(cfg))
-    block = sum(v for _, v in ml.block_activation_terms(cfg))
-    embed = head["positions (wpe)"] + head["embedding dropout mask"]
+    outside = {t.name: t.nbytes for t in ml.outside_terms(cfg)}
+    block = sum(t.nbytes for t in ml.block_activation_terms(cfg))
+    embed = outside["positions (wpe)"] + outside["drop mask"]
     assert first["activations"] == 4 * (L // 4 * block + embed)
-    assert last["activations"] == L // 4 * block + sum(head.values()) - embed
-    block_params = 12 * h * h + 13 * h
+    assert last["activations"] == L // 4 * block + sum(outside.values()) - embed
+    with torch.device("meta"):  # the model's own parameters, not the description's
+        gpt = GPT(cfg)
+    block_params = sum(p.numel() for p in gpt.h[0].parameters())
     assert first["parameters"] == 2 * (V * h + s * h + L // 4 * block_params)
-    assert last["parameters"] == 2 * (L // 4 * block_params + 2 * h + V * h)  # ln_f and the wte copy
+    assert last["parameters"] == 2 * (L // 4 * block_params + sum(p.numel() for p in gpt.ln_f.parameters()) + V * h)
 
 
 @pytest.mark.parametrize("shape", [dict(), dict(attn="sdpa"), dict(attn="sdpa", dropout=0.1),
@@ -98,20 +103,19 @@ def test_pp_stages_hold_their_own_terms():
                                    dict(precision="fp8"), dict(precision="fp8", attn="sdpa"),
                                    dict(precision="fp8", dropout=0.1, device="cuda")])
 @pytest.mark.parametrize("policy", ["none", "selective"])
-def test_tp_places_every_term(shape, policy):
-    # every block term is split over t or replicated, by exact name; an unknown name raises
-    sh = Config(n_layer=2, n_embd=64, n_head=4, block_size=32, batch_size=2, **shape)
-    for name, _ in ml.block_activation_terms(sh, policy):
-        assert (name in mp.TP_SPLIT) != (name in mp.TP_REPLICATED), name
-    one, t4 = (mp.tp_components(replace(sh, ckpt=policy), t, sp=False) for t in (1, 4))
-    assert t4["activations"] < one["activations"] == ml.activation_bytes(replace(sh, ckpt=policy))
-
-
-def test_tp_unknown_term_raises(monkeypatch):
-    real = ml.block_activation_terms
-    monkeypatch.setattr(mp, "block_activation_terms", lambda sh, policy="none": real(sh, policy) + [("renamed", 1)])
-    with pytest.raises(KeyError, match="renamed"):
-        mp.tp_components(Config(n_layer=1, n_embd=32, n_head=2, block_size=16, batch_size=1), 2, sp=False)
+def test_tp_splits_what_the_parallel_regions_make(shape, policy):
+    """Megatron's rule, read off the description: a block term is split over t when it was made
+    between a column-parallel Linear and the row-parallel Linear after it (the description's
+    `split`), whole otherwise (the norms' inputs and statistics, the residual's dropout masks);
+    SP splits the rest too; t = 1 is the one-GPU ledger."""
+    if policy == "selective" and shape.get("attn") == "sdpa":
+        return
+    sh = replace(Config(n_layer=2, n_embd=64, n_head=4, block_size=32, batch_size=2, **shape), ckpt=policy)
+    terms = ml.block_activation_terms(sh, policy == "selective")
+    assert any(t.region for t in terms) and any(not t.region for t in terms)
+    assert not any(t.region for t in terms if t.role == ml.NORM_STATISTICS)
+    one, t4, sp4 = (mp.tp_components(sh, t, sp) for t, sp in ((1, False), (4, False), (4, True)))
+    assert sp4["activations"] < t4["activations"] < one["activations"] == ml.activation_bytes(sh)
 
 
 def test_what_if_bigger_gpu_fits_bigger_batches():

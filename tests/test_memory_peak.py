@@ -1,4 +1,5 @@
-"""The derived peak (memory_timeline.py's walk) against the measured CPU peak, and the walk's own bookkeeping."""
+"""The derived peak (ledger/walk.py running memory_ledger's description) against the measured CPU peak,
+and the walk's own bookkeeping."""
 import itertools
 from dataclasses import replace
 
@@ -7,13 +8,12 @@ import torch
 
 import fp8
 import memory_ledger as ml
-import memory_linear
-import memory_measure
-import memory_parallel as mp
-import memory_timeline
 import train
 from config import Config, parse_args
-from memory_ops import KEPT, SAVED
+from ledger import measure, step
+from ledger import parallel as mp
+from ledger.ops import Ops
+from ledger.walk import GRAD, KEPT, Walk
 from tools import ledger as tool
 
 # activation-heavy: the states are a few MB, the activations tens of MB (issue 10, defect 4)
@@ -22,14 +22,16 @@ HEAVY = ["--n_layer=4", "--n_embd=64", "--n_head=4", "--block_size=256", "--batc
 
 def peaks(argv):
     cfg = replace(parse_args(HEAVY + argv), device="cpu")
-    return ml.peak_estimate(cfg)[0], tool.run_config(cfg, torch.device("cpu"))["peak"]
+    predicted, where, alive = ml.peak_estimate(cfg)
+    measured = tool.run_config(cfg, torch.device("cpu"))
+    assert predicted == measured["peak"], f"peak: predicted {predicted:,} bytes at {where} ({alive}), measured " \
+                                          f"{measured['peak']:,} in {measured['peak_phase']}"
 
 
 @pytest.mark.parametrize("dropout", ["0.0", "0.1"])
 @pytest.mark.parametrize("ckpt", ["none", "full", "sqrt", "selective"])
 def test_peak_exact_bf16(ckpt, dropout):
-    predicted, measured = peaks(["--precision=bf16", f"--ckpt={ckpt}", f"--dropout={dropout}"])
-    assert predicted == measured
+    peaks(["--precision=bf16", f"--ckpt={ckpt}", f"--dropout={dropout}"])
 
 
 @pytest.mark.parametrize("argv", [["--precision=fp32", "--ckpt=full"], ["--precision=fp32", "--ckpt=selective"],
@@ -37,8 +39,7 @@ def test_peak_exact_bf16(ckpt, dropout):
                                   ["--precision=fp16", "--ckpt=sqrt", "--ckpt_segment=3"],
                                   ["--fp32_grad_accum", "--ckpt=selective"], ["--bias=false", "--ckpt=full"]])
 def test_peak_exact_variants(argv):
-    predicted, measured = peaks(argv)
-    assert predicted == measured
+    peaks(argv)
 
 
 def fp8_peak_cases():
@@ -54,34 +55,34 @@ def fp8_peak_cases():
 @pytest.mark.parametrize("argv", list(fp8_peak_cases()), ids=lambda a: "-".join(x.partition("=")[2] for x in a))
 def test_peak_exact_fp8(argv):
     # the kept E4M3 weights, the FP32 product of x on its way to E4M3, the CPU GEMM's int32 codes: all walked
-    predicted, measured = peaks(["--precision=fp8"] + argv)
-    assert predicted == measured
+    peaks(["--precision=fp8"] + argv)
 
 
 @pytest.mark.parametrize("argv", [["--precision=fp8"], ["--precision=fp8", "--fp8_grad=e5m2", "--ckpt=full"],
                                   ["--precision=fp8", "--ckpt=selective", "--bias=false"], ["--precision=fp16"]])
 def test_the_walk_starts_backward_with_what_is_measured(argv):
-    # the walk's first point is the live bytes when backward starts (memory_measure's "backward" reading), plus
-    # the loss times its weight (and its scale) made right after: for FP8 every Linear's kept E4M3 weight is there
+    # at the end of the forward the walk holds the live bytes when backward starts (ledger/measure's "backward"
+    # reading), plus the loss times its weight (and its scale) made right after: for FP8 every kept E4M3 weight
     cfg = replace(parse_args(HEAVY + argv), device="cpu")
     meas, walk = tool.run_config(cfg, torch.device("cpu")), ml.peak_walk(cfg)
-    assert walk.steps[0] == "end of forward"
-    assert walk.totals[0] == meas["phase"]["backward"] + 4 + (4 if ml.timeline_sizes(cfg).loss_scaled else 0)
+    at = walk.totals[walk.steps.index("end of forward")]
+    scalars = 4 + (4 if ml.sizes(cfg).loss_scaled else 0)
+    assert at == meas["phase"]["backward"] + scalars, \
+        f"end of forward: walked {at:,} bytes, measured {meas['phase']['backward']:,} + {scalars} for the loss"
 
 
 def kept_at(cfg, where, monkeypatch):
-    """Bytes of the kept FP8 weight copies alive at the walk's last step named `where` (its new ones too)."""
-    found, real = [], memory_timeline.Walk.step
+    """Bytes of the kept FP8 weight copies alive at the walk's last point named `where`."""
+    found, real = [], Walk.mark
 
-    def step(walk, at, new=(), free=()):
+    def mark(walk, at):
+        real(walk, at)
         if at == where:
-            found.append(sum(n for n, kind in walk.alive.values() if kind == KEPT)
-                         + sum(n for _, n, kind in new if kind == KEPT))
-        real(walk, at, new, free)
+            found.append(sum(e.nbytes for e in walk.live.values() if e.kind == KEPT))
     with monkeypatch.context() as m:
-        m.setattr(memory_timeline.Walk, "step", step)
+        m.setattr(Walk, "mark", mark)
         ml.peak_walk(cfg)
-    assert found, f"the walk has no step {where!r}"
+    assert found, f"the walk has no point {where!r}"
     return found[-1]
 
 
@@ -105,7 +106,7 @@ def test_selective_peak_is_the_recomputed_core_in_backward():
     # the old estimate left out the softmax-gradient pair of the recomputed core (-13% here)
     cfg = replace(parse_args(HEAVY + ["--ckpt=selective"]), device="cpu")
     _, where, _ = ml.peak_estimate(cfg)
-    assert "softmax backward" in where
+    assert "softmax backward" in where, where
 
 
 CONFIGS = [dict(precision=p, ckpt=c, attn=a, dropout=d, bias=b, fp32_grad_accum=g, device=dev)
@@ -116,32 +117,13 @@ CONFIGS = [dict(precision=p, ckpt=c, attn=a, dropout=d, bias=b, fp32_grad_accum=
 
 
 def test_the_walk_frees_everything_it_makes():
-    # after the optimizer step nothing the walk made is alive: no tensor forgotten, none freed twice
+    # after the optimizer step nothing the walk made is alive: no tensor forgotten, none held by a stray reference
     for kw in CONFIGS:
         w = ml.peak_walk(Config(n_layer=3, n_embd=32, n_head=2, block_size=16, batch_size=2, **kw))
-        assert w.alive == {} and w.total == w.static, kw
+        assert w.live == {} and w.total == w.static, f"{kw}: still alive after the step: {w.alive()}"
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(attn="sdpa", dropout=0.1), dict(precision="fp8", attn="sdpa"),
-                                dict(precision="fp32", attn="sdpa", dropout=0.1), dict(dropout=0.1, device="cuda")])
-def test_the_walks_forward_saves_the_ledgers_terms(kw):
-    # a block's forward in the walk leaves alive exactly block_activation_terms (names and bytes); with FP8 also
-    # each Linear's kept E4M3 weight and amax: made by the step's first forward, reused by a recompute's re-run
-    cfg = Config(n_layer=2, n_embd=32, n_head=2, block_size=16, batch_size=2, **kw)
-    z, terms = ml.timeline_sizes(cfg), dict(ml.block_activation_terms(cfg))
-    kept = {name: n for name, n, _ in memory_linear.kept_copies(replace(z, L=1), with_scales=False)} if z.fp8 else {}
-    for rerun in (False, True):
-        w = memory_timeline.Walk(0)
-        w.step("input", new=[("0.ln_1 input", terms["ln_1 input"], SAVED)]
-               + [(name, n, KEPT) for name, n in kept.items() if rerun])
-        memory_timeline.block_forward(w, "0.", z, terms, "0.ln_1 input", "1.ln_1 input")
-        saved = {name[2:]: n for name, (n, kind) in w.alive.items() if name.startswith("0.") and kind == SAVED}
-        assert saved == terms
-        assert {name: n for name, (n, kind) in w.alive.items() if kind == KEPT} == kept
-        assert set(w.alive) == {"1.ln_1 input"} | {"0." + name for name in terms} | set(kept)
-
-
-class EveryTotal(memory_measure.LiveTensors):
+class EveryTotal(measure.LiveTensors):
     """LiveTensors that keeps its count after every op."""
 
     def __init__(self, device):
@@ -157,55 +139,63 @@ class EveryTotal(memory_measure.LiveTensors):
                                   ["--precision=fp8", "--bias=false", "--fp8_recipe=current"],
                                   ["--precision=bf16", "--dropout=0.1"], ["--precision=fp32", "--attn=sdpa"]])
 def test_a_blocks_forward_is_walked_as_measured(argv):
-    """One block's forward with autograd recording, counted op by op and walked by block_forward: the
-    same peak and the same bytes left, to the byte, and every point where a Linear's walk allocates
+    """One block's forward with autograd recording, counted op by op and walked from memory_ledger.block:
+    the same peak and the same bytes left, to the byte, and every point where a Linear's walk allocates
     (1 KiB or more) is a measured point, in order. FP8 twice: micro-step 1 (W times its scale in FP32,
     its E4M3 copy kept), then micro-step 2, which reuses the copy as a recompute's re-run does."""
     cfg = replace(parse_args(["--n_layer=2", "--n_embd=64", "--n_head=2", "--block_size=64", "--batch_size=2"] + argv),
                   device="cpu")
-    model, parts = train.build(cfg, torch.device("cpu"))
+    gpt, parts = train.build(cfg, torch.device("cpu"))
     x = torch.randn(cfg.batch_size, cfg.block_size, cfg.n_embd, dtype=parts.recipe.param_dtype, requires_grad=True)
-    z, terms = ml.timeline_sizes(cfg), dict(ml.block_activation_terms(cfg))
-    kept = memory_linear.kept_copies(replace(z, L=1), with_scales=True) if z.fp8 else []
+    z = ml.sizes(cfg)
+    g = Ops(Walk(0), z)
+    g.plan = step.Plan(1, [], [])
+    walked_x = g.new("input", "block input", x.nelement() * z.e)
     for micro_step in (0, 1):
-        copies = [m.weight_copy for m in fp8.layers(model.h[0]) if m.weight_copy is not None]
+        copies = [m.weight_copy for m in fp8.layers(gpt.h[0]) if m.weight_copy is not None]
         tracker = EveryTotal("cpu")
         with tracker:
-            tracker.adopt(list(model.parameters()) + list(model.buffers()) + [x]
+            tracker.adopt(list(gpt.parameters()) + list(gpt.buffers()) + [x]
                           + [t for c in copies for t in (c.data, c.scale, c.amax)])
             tracker.reset_peak()
             start = tracker.read()
-            with parts.recipe.forward_context(micro_step=micro_step):
-                y = model.h[0](x)
+            with parts.recipe.forward_context(gpt, micro_step=micro_step):
+                y = gpt.h[0](x)
             measured = (tracker.peak - start, tracker.read() - start)
         del y
-        walk = memory_timeline.Walk(0)
-        walk.step("input", new=[("0.ln_1 input", terms["ln_1 input"], SAVED)] + (kept if micro_step else []))
-        before = walk.total
-        memory_timeline.block_forward(walk, "0.", z, terms, "0.ln_1 input", "1.ln_1 input")
-        assert (walk.peak - before, walk.total - before) == measured, micro_step
+        walk = g.walk
+        first, before = len(walk.steps), walk.total
+        walk.peak = before
+        with g.within("0.", 0):
+            out = ml.block(g, walked_x)
+        walked = (walk.peak - before, walk.total - before)
+        del out
+        assert walked == measured, f"micro-step {micro_step}: walked (peak, left) {walked}, measured {measured}"
         assert len(copies) == (4 if z.fp8 and micro_step else 0)
         points, at = [t - start for t in tracker.totals], 0
-        for i in range(1, len(walk.steps)):
+        for i in range(first + 1, len(walk.steps)):
             linear = any(f".{m}.c_" in walk.steps[i] for m in ("attn", "mlp"))
             if linear and walk.totals[i] - walk.totals[i - 1] >= 1024:
-                assert walk.totals[i] - before in points[at:], (walk.steps[i], micro_step)
+                assert walk.totals[i] - before in points[at:], \
+                    f"micro-step {micro_step}: {walk.steps[i]} walks to {walk.totals[i] - before:,}, never measured"
                 at = points.index(walk.totals[i] - before, at)
+        g.grads.clear()
 
 
 def test_every_gradient_is_counted_once(monkeypatch):
     # when backward is done, the parameter gradients the walk has made add up to e*P, once each
-    at_end, real = [], memory_timeline.Walk.step
+    at_end, real = [], Walk.mark
 
-    def spy(w, where, new=(), free=()):
+    def spy(walk, where):
+        real(walk, where)
         if where == "backward done":
-            at_end.append(sum(n for n, kind in w.alive.values() if kind == memory_timeline.GRAD))
-        return real(w, where, new, free)
-    monkeypatch.setattr(memory_timeline.Walk, "step", spy)
+            at_end.append(sum(e.nbytes for e in walk.live.values() if e.kind == GRAD))
+    monkeypatch.setattr(Walk, "mark", spy)
     for kw in CONFIGS[::5]:
         cfg = Config(n_layer=3, n_embd=32, n_head=2, block_size=16, batch_size=2, **kw)
         ml.peak_walk(cfg)
-        assert at_end[-1] == ml.timeline_sizes(cfg).e * ml.param_count(cfg)[0], kw
+        P = ml.param_count(cfg)[0]
+        assert at_end[-1] == ml.sizes(cfg).e * P, f"{kw}: .grad bytes {at_end[-1]:,}, e*P {ml.sizes(cfg).e * P:,}"
 
 
 def test_largest_micro_batch_is_the_walks():

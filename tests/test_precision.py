@@ -147,7 +147,7 @@ def test_injected_inf_skips_exactly_that_step(tmp_path):
     x, y = a_batch(cfg)
     stepped, states, scales = [], [], [parts.scaler.loss_scale]
     for step in range(4):
-        with parts.recipe.forward_context():
+        with parts.recipe.forward_context(model):
             _, loss = model(x, y)
         parts.scaler.backward(loss)
         if step == 2:
@@ -223,7 +223,7 @@ def test_fp16_without_scaling_underflows_as_the_demo_reports(tmp_path):
     shares = {}
     for mode in ("none", "dynamic"):
         model, parts = train.build(tiny_cfg(tmp_path, "--precision=fp16", f"--loss_scale={mode}", *common))
-        with parts.recipe.forward_context():
+        with parts.recipe.forward_context(model):
             _, loss = model(x, y)
         parts.scaler.backward(loss)  # the trainer's own path: loss * scale, backward in FP16
         shares[mode] = lost_share([p.grad for p in model.parameters()], ref, torch.float16)

@@ -33,11 +33,11 @@ import accumulate  # noqa: E402
 import checkpoint  # noqa: E402
 import flops  # noqa: E402
 import fp8  # noqa: E402
-import fp8_te  # noqa: E402
+from backends import fp8_te  # noqa: E402
 import memory_ledger  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
-from config import UsageError, given, key, parse_args, usage  # noqa: E402
+from config import UsageError, given, key  # noqa: E402
 from data import Batches, load_tokens, split_tokens  # noqa: E402
 from snapshot import check_writable, write_atomically  # noqa: E402
 
@@ -68,13 +68,13 @@ class AutocastReference:
     def __init__(self, device_type):
         self.device_type = device_type
 
-    def forward_context(self, micro_step=None):
+    def forward_context(self, model, micro_step=None):
         return torch.autocast(self.device_type, dtype=torch.bfloat16)
 
 
 def measure_row(flags, steps, warmup, autocast_reference=False):
     """Build the config's model, run warm-up steps, then time `steps` optimizer steps."""
-    cfg = parse_args(flags)
+    cfg = train.parse_args(flags)
     device = train.pick_device(cfg)
     tokens, _ = split_tokens(load_tokens(cfg.data), cfg.block_size)
     model, parts = train.build(cfg, device)
@@ -101,7 +101,7 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
     if autocast_reference:
         recipe = precision.recipe(replace(cfg, precision="bf16"))
     peak = flops.peak_flops(cfg, recipe, device)
-    extra = checkpoint.recompute_flops_per_token(model, cfg.ckpt, cfg.ckpt_segment)
+    extra = checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg))
     if device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(device)
     else:
@@ -257,7 +257,7 @@ def fmt(v, kind):
 
 def program(argv):
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip() + "\n\n" + usage("tools/bench.py", BenchOptions))
+        print(__doc__.strip() + "\n\n" + train.usage("tools/bench.py", BenchOptions))
         return 0
     return run_sections(argv)
 
@@ -267,7 +267,7 @@ def main(argv):
 
 
 def run_sections(argv):
-    cfg, opts = parse_args(argv, BenchOptions)
+    cfg, opts = train.parse_args(argv, BenchOptions)
     base = [a for a in argv if a.split("=")[0][2:] not in BenchOptions.__dataclass_fields__]
     steps, warmup, sections = opts.steps, opts.warmup, opts.sections.split(",")
     if any(s not in SECTIONS for s in sections):
@@ -286,7 +286,7 @@ def run_sections(argv):
     planned = []
     run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, planned, dry=True)
     for flags in planned:
-        parse_args(flags)
+        train.parse_args(flags)
     rows = run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, [], dry=False)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's files sit one folder up
 
 import train  # noqa: E402
-from config import UsageError, given, key, parse_args, usage  # noqa: E402
+from config import UsageError, given, key  # noqa: E402
 from snapshot import check_writable, write_atomically  # noqa: E402
 from tools import chapter_runs as section1  # noqa: E402
 from tools import chapter_runs_memory as sections234  # noqa: E402
@@ -81,16 +81,16 @@ def report(claims, extras, device, seconds):
         lines.append("")
     lines += ["## The four components x techniques, per GPU", "",
               "```", ledger.format_table(extras["table"]), "```", "",
-              "\"measured\": run on this machine by memory_measure.py; \"formula\": memory_ledger.py and "
-              "memory_parallel.py for techniques this project does not run.", ""]
+              "\"measured\": run on this machine by ledger/measure.py; \"formula\": memory_ledger.py and "
+              "ledger/parallel.py for techniques this project does not run.", ""]
     return "\n".join(lines)
 
 
 def program(argv):
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip() + "\n\n" + usage("tools/chapter.py", ChapterOptions))
+        print(__doc__.strip() + "\n\n" + train.usage("tools/chapter.py", ChapterOptions))
         return 0
-    cfg, opts = parse_args(argv, ChapterOptions)
+    cfg, opts = train.parse_args(argv, ChapterOptions)
     ignored = given(argv) - {"device", "out_dir", "quick", "steps"}
     if ignored:
         raise UsageError(f"--{', --'.join(sorted(ignored))}: the chapter's experiments choose their own shapes; "

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import accumulate  # noqa: E402
 import train  # noqa: E402
-from memory_measure import SavedBytes  # noqa: E402
+from ledger.measure import SavedBytes  # noqa: E402
 from tools import demos, ledger, plots  # noqa: E402
 from tools.chapter_runs import Claim, machine, slow_because, step_seconds, tiny  # noqa: E402
 

@@ -16,9 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
+import checkpoint  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
-from config import CKPT_POLICIES, Config, UsageError, given, parse_args, validate  # noqa: E402
+from config import Config, UsageError, given, validate  # noqa: E402
 from data import Batches, load_tokens  # noqa: E402
 from model import GPT  # noqa: E402
 
@@ -102,13 +103,13 @@ COUNTED_AS = dict(precision="fp32", attn="manual", device="cpu")  # what the FLO
 def counted_step_flops(flags):
     """{policy: FLOPs of one forward + backward}, counted by FlopCounterMode, for train.py flags.
     FP32 and manual attention: the counter sees the attention core's matmuls as plain ops."""
-    base = parse_args(flags)
+    base = train.parse_args(flags)
     fixed = given(flags) & {*COUNTED_AS, "ckpt", "ckpt_segment"}
     if fixed:
         raise UsageError(f"--{', --'.join(sorted(fixed))}: the FLOP count sets these itself (fp32, manual "
                          f"attention, CPU, every ckpt policy)")
     flops = {}
-    for policy in CKPT_POLICIES:
+    for policy in checkpoint.POLICIES:  # every policy there is: a new one is counted too
         cfg = validate(replace(base, ckpt=policy, **COUNTED_AS))
         model, _ = train.build(cfg)
         x = torch.randint(0, model.cfg.vocab_size, (cfg.batch_size, cfg.block_size))

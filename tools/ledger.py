@@ -1,9 +1,10 @@
 """`make ledger`: the memory ledger's report: predicted vs measured bytes, the chapter's table,
 the published figures beside ours, the what-if for big shapes, an SVG.
 
-A tool, not a chapter file: it composes memory_ledger.py (formulas), memory_measure.py
-(measurement), memory_parallel.py (the parallel techniques, the what-if) and
-memory_papers.py (Korthikanti et al. 2022 and ZeRO's figures) and prints.
+A tool, not a chapter file: it composes memory_ledger.py (the description and its formulas),
+ledger/measure.py (measurement), ledger/explain.py (what the description does not explain),
+ledger/parallel.py (the parallel techniques, the what-if) and ledger/papers.py (Korthikanti
+et al. 2022 and ZeRO's figures) and prints.
 
     python tools/ledger.py --precision=bf16 --ckpt=full   (make ledger PRECISION=bf16 CKPT=full)
     python tools/ledger.py --what_if_only                  (make ledger ARGS=--what_if_only)
@@ -12,10 +13,12 @@ memory_papers.py (Korthikanti et al. 2022 and ZeRO's figures) and prints.
 is built, nothing is measured. Every config key of train.py applies, plus the ledger's own
 (below). The checks: on CPU every component is exact to the byte (both sides count storages:
 no tolerance) and the peak is within 2% of the measured one (it is derived by walking the
-step, memory_timeline.py); on CUDA the storage sizes are exact, the activations within 5%
-(the caching allocator's rounding: memory_measure.CudaAllocator) and the peak is printed,
-not checked. Every row of the table this project runs is measured on this machine, the FP8
-one included (on CPU its GEMM is fp8_gemm.py's BF16 stand-in: about BF16's speed). Exit
+step, ledger/walk.py); on CUDA the storage sizes are exact, the activations within 5%
+(the caching allocator's rounding: ledger/measure.CudaAllocator) and the peak is printed,
+not checked. Where the activations miss, the report names each saved tensor the description
+does not explain (the autograd node that saved it, shape, dtype, bytes) and each term nothing
+matched. Every row of the table this project runs is measured on this machine, the FP8
+one included (on CPU its GEMM is backends/fp8_gemm.py's BF16 stand-in: about BF16's speed). Exit
 status 0 when every check passed, 1 when one missed, 2 for bad input.
 """
 import math
@@ -30,17 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 import accumulate  # noqa: E402
 import fp8  # noqa: E402
 import memory_ledger as ml  # noqa: E402
-import memory_measure  # noqa: E402
-import memory_papers  # noqa: E402
-import memory_parallel as mp  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
-from config import UsageError, given, key, parse_args, usage  # noqa: E402
+from config import UsageError, given, key  # noqa: E402
+from ledger import explain, measure, papers  # noqa: E402
+from ledger import parallel as mp  # noqa: E402
 from snapshot import check_writable, write_atomically  # noqa: E402
 from tools import ledger_report as report  # noqa: E402
 from tools.ledger_report import format_table  # noqa: E402,F401  (tools/chapter.py prints with it)
 
-ACT_TOL_CUDA = 0.05  # CUDA activations: allocator deltas (memory_measure.CudaAllocator says why); CPU: exact
+ACT_TOL_CUDA = 0.05  # CUDA activations: allocator deltas (ledger/measure.CudaAllocator says why); CPU: exact
 PEAK_TOL_CPU = 0.02  # the walk's peak against LiveTensors' (exact on the configs the tests run)
 
 
@@ -59,9 +61,9 @@ class LedgerOptions:
 def run_config(cfg, device):
     """Build cfg's model, take one step (the optimizer states appear), measure the second."""
     model, parts = train.build(cfg, device)
-    batch = memory_measure.random_batch(cfg, device)
+    batch = measure.random_batch(cfg, device)
     accumulate.accumulation_step(model, parts, [batch])
-    return memory_measure.measure(model, parts, batch, device)
+    return measure.measure(model, parts, batch, device)
 
 
 def compare(cfg, meas):
@@ -91,7 +93,15 @@ def format_comparison(cfg, rows, meas):
         lines.append(f"{k:12} {p:14,d} {m:14,d} {100 * err:7.2f}%  {'ok' if ok else 'MISS'} ({rule}){note}")
     _, where, alive = ml.peak_estimate(cfg)
     lines.append(f"  peak measured in: {meas['peak_phase']}; predicted at: {where}; alive there: {alive}")
-    return "\n".join(lines)
+    return "\n".join(lines + explain.report(cfg, meas["saved_tensors"]))
+
+
+def failure(cfg, rows, meas):
+    """In words, what a test that holds the ledger exact says when it is not: each component
+    that missed, predicted and measured, and what the description does not explain."""
+    lines = [f"{k}: predicted {p:,} bytes, measured {m:,} ({'+' if m >= p else ''}{m - p:,})"
+             for k, p, m, _, ok, _ in rows if not ok]
+    return "\n".join(lines + explain.report(cfg, meas["saved_tensors"]))
 
 
 # ---------------------------------------------------------------- the chapter's table
@@ -110,7 +120,7 @@ def technique_rows(cfg, device, opts, measure_runs=True):
     FP8: native is measured where its matmul runs on the device, else a formula row;
     Transformer Engine is a formula row: native's activations (an approximation: TE's saved
     tensors are its own) plus its cached FP8 weight copies. The parallel techniques are
-    memory_parallel's parallel_rows, all formulas.
+    ledger/parallel.py's parallel_rows, all formulas.
     """
     runs = {}
 
@@ -153,7 +163,7 @@ def what_if_text(opts):
         out.append(f"  {name}: formula {n:,} parameters, model.GPT on the meta device {m:,}: "
                    f"{'same' if n == m else 'DIFFERENT'}")
         ok = ok and n == m
-    out += ["", report.format_papers(memory_papers.korthikanti_rows(), memory_papers.zero_rows())]
+    out += ["", report.format_papers(papers.korthikanti_rows(), papers.zero_rows())]
     return "\n".join(out), ok
 
 
@@ -190,10 +200,10 @@ def program(argv):
     unwritable out_dir) is one line 'error: ...' on stderr and exit status 2; all measuring
     happens before anything is printed, so such an error leaves stdout empty."""
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip() + "\n\n" + usage("tools/ledger.py", LedgerOptions))
+        print(__doc__.strip() + "\n\n" + train.usage("tools/ledger.py", LedgerOptions))
         return 0
     started = time.perf_counter()
-    cfg, opts = parse_args(argv, LedgerOptions)
+    cfg, opts = train.parse_args(argv, LedgerOptions)
     if opts.what_if_only:  # the big shapes and the papers' own: no key of this run applies
         ignored = given(argv) - {f.name for f in fields(LedgerOptions)}
         if ignored:
@@ -222,8 +232,8 @@ def program(argv):
     rows, ok = compare(cfg, meas)
     print(format_comparison(cfg, rows, meas))
     print("\nactivations, term by term (bytes after forward):")
-    for name, v in ml.activation_terms(cfg):
-        print(f"  {name:48} {v:14,d}")
+    for term in ml.activation_terms(cfg):
+        print(f"  {term.name:48} {term.nbytes:14,d}")
     print(f"\nfour components x techniques (per GPU, this config, precision {precision.recipe(cfg).name} "
           f"unless named):")
     print(report.format_table(table))

@@ -31,7 +31,7 @@ def format_what_if(rows, gpu_gib):
              f"published figures below use 0.1),",
              f"states = parameters + gradients + FP32 master + AdamW (ZeRO-3 shards them, not the buffers), "
              f"activations after the forward at b=1,",
-             f"max b = the largest micro-batch whose peak (the walk of memory_timeline.py) fits a {gpu_gib} GiB GPU:",
+             f"max b = the largest micro-batch whose peak (the walk of ledger/walk.py) fits a {gpu_gib} GiB GPU:",
              f"{'shape':14} {'params':>9} {'ckpt':>9} {'sharding':>9} {'states':>11} {'buffers':>11} "
              f"{'activations':>12} {'max b':>6}"]
     for r in rows:
@@ -43,7 +43,7 @@ def format_what_if(rows, gpu_gib):
 def format_papers(korthikanti, zero):
     """The published figures beside ours; a difference is 'explained' when it equals the
     bytes the row's reason names (computed from our terms, not typed in)."""
-    lines = ["published figure vs ours (memory_papers.py; Korthikanti et al. 2022 per layer in bytes, GPT-3 175B: "
+    lines = ["published figure vs ours (ledger/papers.py; Korthikanti et al. 2022 per layer in bytes, GPT-3 175B: "
              "s=2048 b=1 h=12288 a=96, BF16, dropout 0.1, CUDA):",
              f"{'figure':44} {'formula':26} {'paper':>14} {'ours':>14} {'difference':>11}  why"]
     for name, formula, paper, ours, explained, why in korthikanti:

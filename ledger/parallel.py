@@ -5,18 +5,17 @@ layers, SP/CP split activations; offload"). Read memory_ledger.py first (one GPU
 model); this file divides its components the way each parallel technique does, keeps
 the literature's per-layer activation formula (Korthikanti et al. 2022) beside ours,
 and asks what the same model needs at GPT-2 XL, 7B and 175B scale (the what-if).
-Every row here is a formula: this project runs none of these techniques.
+Every row here is a formula: this project runs none of these techniques. Nothing here
+restates the model: which tensors TP splits, which parameters, which terms live on which
+pipeline stage all come from memory_ledger's description (its Terms, what its ops hold).
 """
 from dataclasses import replace
 
 import torch
 
+import memory_ledger as ml
 from config import Config
-from memory_ledger import (activation_bytes, block_activation_terms, components, dims, head_activation_terms,
-                           param_count, peak_walk, units)
 from model import GPT
-import precision
-from memory_ops import FP8_SCALES
 
 
 # ---------------------------------------------------------------- the literature's per-layer activations
@@ -53,54 +52,39 @@ def korthikanti_layer_bytes(s, b, h, a, policy="none"):
 
 # ---------------------------------------------------------------- the parallel techniques, per GPU
 
-# block_activation_terms by name, for TP: inside the column/row-parallel regions (split over t)
-# or replicated on every rank. Every term must be in exactly one set: tp_components raises on a
-# term it cannot place, so renaming or adding a term cannot silently change the TP numbers.
-TP_SPLIT = frozenset({
-    "Q, K copies for QK^T", "softmax output", "attention dropout mask", "attention dropout output",
-    "V copy for att@V", "q,k,v (recompute inputs)", "q,k,v (c_attn output)", "sdpa output",
-    "sdpa logsumexp (fp32)", "sdpa-math Q, K copies (fp32)", "sdpa-math softmax (fp32)",
-    "sdpa-math dropout mask (fp32)", "sdpa-math dropout output (fp32)", "sdpa-math V copy (fp32)",
-    "c_proj input", "GELU input", "MLP c_proj input (GELU output)"})
-TP_REPLICATED = frozenset({
-    "ln_1 input", "ln_1 mean+rstd", "c_attn input", "residual dropout mask", "ln_2 input", "ln_2 mean+rstd",
-    "c_fc input", "MLP dropout mask", *FP8_SCALES.values()})
-
-
-def tp_block_bytes(cfg, t, sp):
-    """One block's saved bytes per GPU under TP t (SP: every term / t), for policy none or
-    selective: each term is split or replicated by name; a term in neither set raises."""
-    acts = 0
-    for name, v in block_activation_terms(cfg, cfg.ckpt if cfg.ckpt == "selective" else "none"):
-        if name not in TP_SPLIT and name not in TP_REPLICATED:
-            raise KeyError(f"block term {name!r} is in neither TP_SPLIT nor TP_REPLICATED")
-        acts += v // t if (sp or name in TP_SPLIT) else v
-    return acts
+def tp_block_bytes(cfg, t, sp, core_unit=None):
+    """One block's saved bytes per GPU under TP t: a term made inside a tensor-parallel region
+    (between a column-parallel Linear and the row-parallel one after it: the description's
+    `split`) is split over t; the rest is whole on every rank, or / t under SP (split along
+    the sequence). core_unit: its attention core recomputed (None: as cfg's policy says)."""
+    if core_unit is None:
+        core_unit = bool(ml.plan(cfg).core_units)
+    return sum(term.nbytes // t if (sp or term.region) else term.nbytes
+               for term in ml.block_activation_terms(cfg, core_unit))
 
 
 def tp_components(cfg, t, sp):
     """Per-GPU components under tensor parallelism t (Megatron), with or without sequence parallel.
 
-    Parameters: the Linear weights, the column-parallel Linears' biases (c_attn, c_fc) and the
-    vocab-parallel embedding / t; LayerNorms, row-parallel biases and wpe replicated; buffers
-    (the causal masks, FP8 amax state) replicated. Activations per Korthikanti et al. 2022
-    sec. 4.2: without SP the block terms outside the parallel regions stay whole
-    (TP_REPLICATED), and outside the blocks only the vocab-parallel logits' log-softmax (and
-    the loss) is split: ln_f's input, output and statistics and the embedding dropout mask are
-    replicated. With SP every term is split along the sequence or the hidden dimension: / t."""
-    L, h, _, s, b, V = dims(cfg)
-    c = components(cfg)
-    P, _ = param_count(cfg)
-    split = 12 * h * h * L + V * h + ((3 * h + 4 * h) * L if cfg.bias else 0)
-    frac = (split / t + (P - split)) / P
-    acts = L * tp_block_bytes(cfg, t, sp)
-    if cfg.ckpt in ("full", "sqrt"):
-        e = precision.recipe(cfg).element_bytes
-        acts = len(units(cfg)) * b * s * h * e // (t if sp else 1)
-    head_split = ("log-softmax output (fp32)", "loss total_weight")
-    acts += sum(v // t if (sp or name in head_split) else v for name, v in head_activation_terms(cfg))
+    Parameters: what the description's ops split (the Linear weights, the column-parallel
+    Linears' biases, the vocab-parallel embedding) / t; the rest (norms, row-parallel biases,
+    wpe) replicated; buffers (the causal masks, FP8 amax state) replicated. Activations per
+    Korthikanti et al. 2022 sec. 4.2: without SP the terms outside the parallel regions stay
+    whole, in the blocks and out of them (outside, only the vocab-parallel logits'
+    log-softmax and the loss are split); with SP every term is split along the sequence or
+    the hidden dimension: / t. A unit's kept input is whole under TP, / t under SP."""
+    c = ml.components(cfg)
+    P, _ = ml.param_count(cfg)
+    frac = (ml.split_param_count(cfg) / t + (P - ml.split_param_count(cfg))) / P
+    p = ml.plan(cfg)
+    in_units = {i for unit in p.units for i in unit}
+    n_core = len(set(p.core_units) - in_units)
+    n_plain = cfg.n_layer - len(in_units) - n_core
+    acts = n_plain * tp_block_bytes(cfg, t, sp, False) + n_core * tp_block_bytes(cfg, t, sp, True)
+    acts += len(p.units) * ml.census(cfg)[2] // (t if sp else 1)
+    acts += sum(term.nbytes // t if (sp or term.region) else term.nbytes for term in ml.outside_terms(cfg))
     # native FP8: each rank keeps the E4M3 copy of its shard of every Linear weight, and its own 16-byte scale and amax
-    scalars = 4 * 16 * L if c["fp8_kept"] else 0
+    scalars = 16 * cfg.n_layer * len(ml.block_held(cfg, "fp8 weight")) if c["fp8_kept"] else 0
     return dict(parameters=int(c["parameters"] * frac), buffers=c["buffers"], gradients=int(c["gradients"] * frac),
                 optimizer=int(c["optimizer"] * frac), fp8_kept=(c["fp8_kept"] - scalars) // t + scalars,
                 activations=acts)
@@ -121,20 +105,20 @@ def pp_stages(cfg, p):
     """(first stage, last stage) components under pipeline parallelism p with 1F1B (Megatron):
     each stage holds L/p blocks; stage i has p - i micro-batches in flight, so the first
     stage keeps p micro-batches of its blocks' activations (L blocks' worth) and of the
-    embeddings' (wte, wpe: its parameters), the last stage one micro-batch of its blocks'
-    and the head's (ln_f, log-softmax). The tied output head needs wte on the last stage too:
-    Megatron keeps a copy there (its gradient all-reduced with the first stage's), with its
-    own gradient and optimizer states."""
-    L, h, _, s, _, V = dims(cfg)
-    c, (P, _) = components(cfg), param_count(cfg)
+    embeddings' (and their parameters), the last stage one micro-batch of its blocks' and
+    the head's (and its parameters). The tied output head needs the embedding's weight on the
+    last stage too: Megatron keeps a copy there (its gradient all-reduced with the first
+    stage's), with its own gradient and optimizer states."""
+    L = cfg.n_layer
+    c, (P, _) = ml.components(cfg), ml.param_count(cfg)
     per_param = {k: c[k] / P for k in ("parameters", "gradients", "optimizer")}  # bytes per parameter
-    block_params = 12 * h * h + (13 * h if cfg.bias else 2 * h)
-    head = dict(head_activation_terms(cfg))
-    embed_acts = sum(v for name, v in head.items() if name in ("positions (wpe)", "embedding dropout mask"))
-    head_acts = sum(head.values()) - embed_acts
-    block_acts = (c["activations"] - sum(head.values())) / L  # per block (under sqrt, an average)
-    n_first = V * h + s * h + L // p * block_params
-    n_last = L // p * block_params + (2 * h if cfg.bias else h) + V * h
+    outside = ml.outside_terms(cfg)
+    embed_acts = sum(term.nbytes for term in outside if term.scope == "embedding")
+    head_acts = sum(term.nbytes for term in outside if term.scope == "head")
+    block_acts = (c["activations"] - embed_acts - head_acts) / L  # per block (under sqrt, an average)
+    block_params = ml.block_param_count(cfg)
+    n_first = ml.held_count(cfg, "param", "embedding") + L // p * block_params
+    n_last = L // p * block_params + ml.held_count(cfg, "param", "head") + ml.held_count(cfg, "tied", "head")
 
     def stage(n, acts):
         return dict({k: int(v * n) for k, v in per_param.items()}, buffers=c["buffers"] // p,
@@ -154,7 +138,7 @@ def parallel_rows(cfg, ranks=8, tp=8, pp=8, cp=4):
       CP c: every activation term scales with s, each rank holds s/c of the sequence: / c.
       CPU offload (ZeRO-Offload): FP32 master, AdamW states and the gradients live in CPU memory.
     """
-    c = components(cfg)
+    c = ml.components(cfg)
     rows = [(f"ZeRO-{k} over {ranks}", zero_components(c, ranks, k)) for k in (1, 2, 3)]
     rows.append((f"tensor parallel t={tp}", tp_components(cfg, tp, sp=False)))
     rows.append((f"TP t={tp} + sequence parallel", tp_components(cfg, tp, sp=True)))
@@ -196,10 +180,10 @@ def largest_micro_batch(cfg, gpu_bytes, shard=1, limit=1 << 16):
     and b=3 give every point at every b. (b = 1 walks other steps: one sequence makes some
     copies views.) The answer is checked by walking at it and one above; where the steps
     change with b after all, a bisection over whole walks decides."""
-    fits = lambda b: peak_walk(replace(cfg, batch_size=b), shard).peak <= gpu_bytes
+    fits = lambda b: ml.peak_walk(replace(cfg, batch_size=b), shard).peak <= gpu_bytes  # noqa: E731
     if not fits(1):
         return 0
-    two, three = (peak_walk(replace(cfg, batch_size=b), shard) for b in (2, 3))
+    two, three = (ml.peak_walk(replace(cfg, batch_size=b), shard) for b in (2, 3))
     best = limit
     if two.steps == three.steps:
         for at2, at3 in zip(two.totals, three.totals):
@@ -229,10 +213,10 @@ def what_if(gpu_gib=80, ranks=8, precision_name="bf16"):
         for ckpt in ("none", "selective", "full"):
             for zero in (0, 3):
                 cfg = big_config(name, precision=precision_name, ckpt=ckpt, attn="manual")
-                c = zero_components(components(cfg), ranks, 3 if zero else 0)
-                out.append(dict(shape=name, P=param_count(cfg)[0], ckpt=ckpt,
+                c = zero_components(ml.components(cfg), ranks, 3 if zero else 0)
+                out.append(dict(shape=name, P=ml.param_count(cfg)[0], ckpt=ckpt,
                                 zero=f"ZeRO-3/{ranks}" if zero else "none",
                                 states=c["parameters"] + c["gradients"] + c["optimizer"], buffers=c["buffers"],
-                                activations=activation_bytes(cfg),
+                                activations=ml.activation_bytes(cfg),
                                 max_b=largest_micro_batch(cfg, gpu_gib * 2 ** 30, shard=ranks if zero else 1)))
     return out

@@ -28,7 +28,6 @@ import functools
 
 import torch
 
-import fp8
 
 # fp8.WEIGHT_MODES as te.Linear's is_first_microbatch (module/linear.py, Linear.forward)
 IS_FIRST_MICROBATCH = {"fresh": None, "refresh": True, "reuse": False}
@@ -109,14 +108,18 @@ def _linear_class():
     te, _ = _te()
 
     class Linear(te.Linear):
-        """te.Linear told which micro-step it runs in (fp8.weight_mode). With is_first_microbatch set,
+        """te.Linear told which micro-step it runs in (its weight_mode, fp8.WEIGHT_MODES, set as
+        on our FP8Linear by precision.Recipe.forward_context). With is_first_microbatch set,
         TE quantizes the weight on micro-step 1 into a cached workspace (the E4M3 weight and, on
         Hopper, its transpose for the backward GEMM) and reuses it for the other micro-steps; with
         None it quantizes afresh in every forward (module/linear.py, Linear.forward: no cache
         name when is_first_microbatch is None; module/base.py, quantize_weight)."""
 
+        weight_mode = "fresh"
+        recording = True  # TE's re-run records nothing by its own recompute flags: kept for fp8.Rerun
+
         def forward(self, inp):
-            return super().forward(inp, is_first_microbatch=IS_FIRST_MICROBATCH[fp8.weight_mode()])
+            return super().forward(inp, is_first_microbatch=IS_FIRST_MICROBATCH[self.weight_mode])
     return Linear
 
 

@@ -2,14 +2,16 @@
 
 Chapter section 4: the formulas of memory_ledger.py are only worth something if they
 agree with what a step really allocates. Read first: `SavedBytes` (what autograd keeps
-for backward), then `LiveTensors` (every storage alive, op by op, like CUDA's
-memory_allocated), then `measure`, which runs accumulate.accumulation_step itself and
-reads memory at each of its phases.
+for backward, and who kept it: the module running, the autograd node), then `LiveTensors`
+(every storage alive, op by op, like CUDA's memory_allocated), then `measure`, which runs
+accumulate.accumulation_step itself and reads memory at each of its phases. Where the
+measured saved tensors and the description disagree, ledger/explain.py says which.
 
 On CPU both counters are exact: they see every storage by identity. On CUDA the caching
 allocator's own counters stand in for LiveTensors (see CudaAllocator for where they differ).
 """
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -51,10 +53,12 @@ class SavedBytes:
     The recompute's re-run forward in backward saves through it too.
     """
 
-    def __init__(self, static=()):
+    def __init__(self, static=(), where=None):
         self.static = storage_ids(static)
         self.total = self.live = self.peak = 0
         self._holders = {}  # storage key -> how many saved-tensor slots hold it
+        self.where = where  # None, or a callable naming the module running now (ModulePath)
+        self.found = {}  # storage key -> SavedTensor, for each storage counted in `total`
 
     def _pack(self, t):
         key, nbytes = storage_key(t), t.untyped_storage().nbytes()
@@ -64,6 +68,10 @@ class SavedBytes:
             self.total += nbytes
             self.live += nbytes
             self.peak = max(self.peak, self.live)
+            if key not in self.found:
+                self.found[key] = SavedTensor(nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        if key in self.found and self.where and self.where() not in self.found[key].modules:
+            self.found[key].modules += (self.where(),)
         self._holders[key] = self._holders.get(key, 0) + 1
         held = _Held(t)  # keeps the storage alive (so its key stays unique) until autograd drops it
         weakref.finalize(held, self._release, key, nbytes)
@@ -85,6 +93,72 @@ class SavedBytes:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+
+
+@dataclass
+class SavedTensor:
+    """One storage autograd saved: its bytes, the shape and dtype of the tensor first saved on
+    it, the modules running when it was saved (paths of model.named_modules(), "" for GPT
+    itself; the first one first) and the autograd nodes holding it (their grad_fn names,
+    filled in by `saving_nodes`)."""
+    nbytes: int
+    shape: tuple
+    dtype: str
+    modules: tuple = ()
+    nodes: tuple = ()
+
+
+class ModulePath:
+    """The path of the innermost module running now, by forward hooks on every module."""
+
+    def __init__(self, model):
+        self.stack, self.handles = [], []
+        for name, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(self._enter(name)))
+            self.handles.append(module.register_forward_hook(self._leave))
+
+    def _enter(self, name):
+        def hook(module, args):
+            self.stack.append(name)
+        return hook
+
+    def _leave(self, module, args, output):  # a forward hook that returns something replaces the output
+        self.stack.pop()
+
+    def __call__(self):
+        return self.stack[-1] if self.stack else ""
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def saving_nodes(loss, found):
+    """Fill in, for each storage in `found`, the autograd nodes (grad_fn names) of loss's graph
+    that hold it: a node's saved tensors are its `_saved_*` attributes, or a custom Function's
+    saved_tensors (checkpoint.Recompute, fp8's)."""
+    names, seen, stack = {}, set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        held = []
+        for attr in dir(node):
+            if attr.startswith("_saved_"):
+                try:
+                    value = getattr(node, attr)
+                except RuntimeError:  # released already, or not a tensor torch will hand out
+                    continue
+                held += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if torch.is_tensor(v)]
+        if hasattr(node, "saved_tensors"):
+            held += [t for t in node.saved_tensors if torch.is_tensor(t)]
+        for t in held:
+            if storage_key(t) in found:
+                names.setdefault(storage_key(t), set()).add(type(node).__name__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    for key, saved in found.items():
+        saved.nodes = tuple(sorted(names.get(key, ())))
 
 
 class _Held:
@@ -236,6 +310,8 @@ def measure(model, parts, batch, device):
     fp8_kept, the FP8Linears' kept weight copies (fp8.WeightCopy) just before the optimizer step.
     activations: saved-tensor storages on CPU, the allocator's growth over the forward on
     CUDA. Storages of parameters, buffers and the batch never count as activations.
+    saved_tensors: {storage: SavedTensor} of everything the forward saved, on any device: what
+    ledger/explain.py holds against the description.
     """
     device = torch.device(device)
     opt = parts.optimizer
@@ -248,13 +324,16 @@ def measure(model, parts, batch, device):
                master=storage_bytes(opt.master_params, device, exclude=storage_ids(params)),
                optimizer=storage_bytes(opt.state_tensors(), device),
                inputs=storage_bytes(batch, device))
-    phase, saved, losses = {}, SavedBytes(static + list(batch)), []
+    module_path = ModulePath(model)
+    phase, saved, losses = {}, SavedBytes(static + list(batch), where=module_path), []
     hook = model.register_forward_hook(lambda module, args, output: losses.append(output[1]))
 
     def observe(name):
         phase[name] = tracker.read()
         if name == "backward":
             out["saved"] = saved.total  # what the forward saved, before any recompute re-run
+            out["saved_tensors"] = dict(saved.found)  # and who saved each storage, for ledger/explain.py
+            saving_nodes(losses[-1], out["saved_tensors"])
             out["rng_states"] = rng_state_bytes(losses[-1])
         if name == "gradients":
             out["gradients"] = storage_bytes([p.grad for p in params] + (parts.grad_buffers or []), device)
@@ -273,6 +352,7 @@ def measure(model, parts, batch, device):
             phase["end"] = tracker.read()
     finally:
         hook.remove()
+        module_path.remove()
     out["phase"] = dict(before=before, **phase)
     # CUDA: the allocator's growth over the forward (the 4-byte loss, its output, rides along in
     # one 512-byte block: part of the slack CudaAllocator's docstring accounts for)

@@ -1,7 +1,7 @@
 """The published figures beside ours: Korthikanti et al. 2022 and the ZeRO paper, reproduced.
 
 Chapter section 4 (the whole picture, tied to the literature the chapter builds on).
-Read memory_ledger.py first (our terms), then memory_parallel.py (TP, ZeRO); this file
+Read memory_ledger.py first (our terms), then ledger/parallel.py (TP, ZeRO); this file
 sets our formulas beside the sources' own, on the sources' own shapes, and says where
 and why they differ. `make ledger` prints the table; `make ledger ARGS=--what_if_only`
 prints it (and the what-if) without building or measuring anything.
@@ -15,26 +15,27 @@ The sources' figures are computed from the sources' formulas, never typed in:
 """
 from dataclasses import replace
 
+import memory_ledger as ml
 from config import Config
-from memory_ledger import activation_bytes, block_activation_terms, bytes_per_param, dims, head_activation_terms
-from memory_parallel import big_config, korthikanti_layer_bytes, tp_block_bytes, zero_components
+from ledger.parallel import big_config, korthikanti_layer_bytes, tp_block_bytes, zero_components
 
 
 def layernorm_stats(cfg, t=1):
-    """The bytes our block keeps that Korthikanti's terms leave out: both LayerNorms' mean and
-    rstd (FP32 on CUDA: 2 x 2 x b*s x 4 = 16bs per layer), replicated under TP, / t under SP."""
-    return sum(v // t for name, v in block_activation_terms(cfg) if name.endswith("mean+rstd"))
+    """The bytes our block keeps that Korthikanti's terms leave out: its norms' saved statistics
+    (the LayerNorms' mean and rstd, FP32 on CUDA: 2 x 2 x b*s x 4 = 16bs per layer), replicated
+    under TP, / t under SP."""
+    return sum(term.nbytes // t for term in ml.block_activation_terms(cfg) if term.role == ml.NORM_STATISTICS)
 
 
 def korthikanti_rows(t=8):
     """[(row, the paper's formula, paper bytes, ours, explained difference, why)] per layer,
     GPT-3 175B (s=2048, b=1, h=12288, a=96), CUDA BF16, manual attention."""
     gpt3 = big_config("175B (GPT-3)", precision="bf16", attn="manual", dropout=0.1)
-    _, h, a, s, b, _ = dims(gpt3)
+    h, a, s, b = gpt3.n_embd, gpt3.n_head, gpt3.block_size, gpt3.batch_size
     sbh, core = s * b * h, 5 * a * s * s * b
     stats = layernorm_stats(gpt3)
     why = "ours keeps the LayerNorms' FP32 mean+rstd (16bs), the paper drops them"
-    ours = lambda cfg: sum(v for _, v in block_activation_terms(cfg, cfg.ckpt))
+    ours = lambda cfg: sum(term.nbytes for term in ml.block_activation_terms(cfg, bool(ml.plan(cfg).core_units)))  # noqa
     no_drop = replace(gpt3, dropout=0.0)
     # eq. 1 less its dropout terms: the a*s^2 mask (1 byte) and output (2 bytes), two sbh masks
     paper_no_drop = korthikanti_layer_bytes(s, b, h, a) - 3 * a * s * s * b - 2 * sbh
@@ -60,7 +61,7 @@ def korthikanti_rows(t=8):
 def kept_per_layer(cfg):
     """Bytes full recompute keeps per layer: all activations less the head's, over L."""
     full = replace(cfg, ckpt="full")
-    return (activation_bytes(full) - sum(v for _, v in head_activation_terms(full))) // full.n_layer
+    return (ml.activation_bytes(full) - sum(term.nbytes for term in ml.outside_terms(full))) // full.n_layer
 
 
 def zero_rows(psi=7.5e9, n=64):
@@ -68,7 +69,7 @@ def zero_rows(psi=7.5e9, n=64):
     P_os+g, P_os+g+p; the paper's (2+2+K)Psi terms with K = 12 against our bytes_per_param."""
     K = 12
     paper = [(2 + 2 + K) * psi, 2 * psi + 2 * psi + K * psi / n, 2 * psi + (2 + K) * psi / n, (2 + 2 + K) * psi / n]
-    p, g, m, o = bytes_per_param(Config(precision="bf16"))
+    p, g, m, o = ml.bytes_per_param(Config(precision="bf16"))
     ours = dict(parameters=p * psi, buffers=0, gradients=g * psi, optimizer=(m + o) * psi)
     rows = [("ZeRO sec. 3.1: bytes per parameter", "2 + 2 + K", 2 + 2 + K, p + g + m + o)]
     for stage, name in enumerate(("baseline", "P_os (ZeRO-1)", "P_os+g (ZeRO-2)", "P_os+g+p (ZeRO-3)")):

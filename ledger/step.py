@@ -1,0 +1,122 @@
+"""accumulate.py's step around the model, as the ledger walks it: the forward under a recompute
+policy, the loss times its weight (and the loss scale), backward, the FP32 sums, the optimizer step.
+
+Read memory_ledger.py first (the model's description), then ledger/walk.py (the engine).
+The step is accumulation_step with one micro-batch (K = 1), as ledger/measure.py runs it:
+micro-step 1, where native FP8 quantizes each weight and keeps the E4M3 copy until just
+before AdamW. With K > 1 micro-steps this is micro-step 1 only: micro-steps 2..K start
+with the earlier ones' .grad alive (unless FP32 sums took them) and the FP8 copies kept.
+
+Under each recompute policy (checkpoint.py), as the Plan of its units:
+  no unit    every block's saved tensors are alive when backward starts; each block frees
+             its own as backward passes through it.
+  core units the attention core's saved tensors come back for the length of its own
+             backward (checkpoint.Recompute re-runs it), with its recomputed output and the
+             incoming gradient held by the Recompute node until it returns.
+  block units only the unit inputs are alive; backward re-runs a unit's forward (every
+             block of the unit saves everything again) and walks back through it, while
+             the unit's input, its recomputed output and incoming gradient stay held.
+"""
+from dataclasses import dataclass
+
+from ledger.ops import Ops
+from ledger.walk import Walk
+
+
+@dataclass(frozen=True)
+class Description:
+    """The model, described: memory_ledger's embeddings(g), block(g, x) and head(g, x) -> loss."""
+    embeddings: object
+    block: object
+    head: object
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which units a recompute policy runs through checkpoint.Recompute (Policy.block_units,
+    Policy.core_units of checkpoint.py): runs of consecutive blocks, and the blocks whose
+    attention core is one."""
+    n_layer: int
+    units: list
+    core_units: list
+
+
+def forward(g, model, plan):
+    """GPT.forward under `plan`: the embeddings, the blocks (GPT.block_runner: a block as it is,
+    or a unit of blocks through checkpoint.Recompute), the head. Returns the loss."""
+    g.plan = plan
+    with g.within("", "embedding"):
+        x = model.embeddings(g)
+    starts = {unit[0]: unit for unit in plan.units}
+    i = 0
+    while i < plan.n_layer:
+        unit = starts.get(i)
+        if unit is None:
+            with g.within(f"{i}.", i):
+                x = model.block(g, x)
+            i += 1
+        else:
+            x = g.unit(f"unit {plan.units.index(unit)}", _blocks(g, model.block, unit), x, term="unit input",
+                       scope="units")
+            i = unit[-1] + 1
+    with g.within("", "head"):
+        return model.head(g, x)
+
+
+def _blocks(g, block, unit):
+    """run_blocks_in_order over one unit's blocks."""
+    def run(x):
+        for i in unit:
+            with g.within(f"{i}.", i):
+                x = block(g, x)
+        return x
+    return run
+
+
+def walk_step(model, sizes, plan, static, groups, master_grads, fp32_sums, shard=1):
+    """Walk one steady-state micro-step and its optimizer step; returns the Walk (peak, where, parts).
+
+    static: bytes alive throughout (states, buffers, the batch). groups: AdamW's parameter-group
+    sizes (foreach AdamW makes one FP32 sqrt(v) temporary per group). master_grads: bytes of the
+    FP32 copies of the 16-bit gradients the optimizer step makes (4 per parameter; 0 for fp32).
+    fp32_sums: with FP32 accumulation buffers those copies are made right after backward
+    instead, added into the buffers and freed with the 16-bit .grad (accumulation_step).
+    shard: ZeRO-3 over that many ranks (every parameter gradient / shard)."""
+    walk = Walk(static, shard)
+    g = Ops(walk, sizes)
+    loss = forward(g, model, plan)
+    # parts.scaler.backward(loss * weights[i]): the loss times its weight, times the scale
+    weighted = g.scalar("loss x weight", loss)
+    scaled = g.scalar("loss x scale", weighted) if sizes.loss_scaled else weighted
+    g.mark("end of forward")
+    seed = g.new("backward: the loss gradient", "seed", 4)  # backward()'s ones_like(loss), held till it returns
+    g.backward([(scaled, seed)])
+    del seed, scaled, weighted
+    g.mark("backward done")
+    if fp32_sums:  # accumulation_step adds the 16-bit gradients into the FP32 buffers first
+        as_fp32 = g.new("FP32 sums: every .grad as FP32", "grads as fp32", master_grads // shard)
+        g.grads.clear()
+        del as_fp32
+    running = g.new("the step's running mean loss", "running loss", 4)  # accumulate.py's total_loss
+    _optimizer_step(g, groups, master_grads, fp32_sums, shard)
+    del loss, running
+    g.mark("optimizer step done")
+    return walk
+
+
+def _optimizer_step(g, groups, master_grads, fp32_sums, shard):
+    """accumulate.optimizer_step: the kept FP8 weights released (the weights are about to change),
+    then precision.MasterWeightOptimizer.step: FP32 copies of the gradients (16-bit precisions),
+    then torch's foreach AdamW, whose sqrt(v) is an FP32 temporary the size of each group; then
+    zero_grad frees every gradient (and the step's last reference to the loss goes with it)."""
+    if g.kept:
+        g.mark("FP8 weight copies released")
+        g.kept.clear()
+    master = None
+    if master_grads and not fp32_sums:  # the FP32 buffers are the optimizer's gradients: no copy at the step
+        master = g.new("optimizer step: FP32 master gradients", "master grads", master_grads // shard)
+    for group, count in enumerate(groups):
+        sqrt_v = g.new(f"optimizer step: AdamW sqrt(v), group {group}", "sqrt v", 4 * count // shard)
+        del sqrt_v
+    g.grads.clear()
+    del master

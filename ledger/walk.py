@@ -1,0 +1,341 @@
+"""The ledger's engine: a description of the model, run op by op, holding memory as PyTorch does.
+
+Chapter sections 3 and 4 (what recomputation keeps; the ledger's peak). Read
+memory_ledger.py first: its `block` says, op by op, what one block of model.py makes and
+saves, in the ops of ledger/ops.py. This file runs such a description the way PyTorch
+runs the code it describes:
+
+  a Storage is memory, alive while anything refers to it: a Tensor handle (a variable of
+    the description, living as long as its twin in model.py), a Node that saved it, or
+    the engine's gradient buffers. It is freed the moment the last of them lets go, as
+    CPython and autograd free a torch storage;
+  an op's outputs are allocated while its inputs are still alive: every allocation is a
+    point of the walk, a candidate for the peak;
+  with grad enabled an op records a Node that keeps what the op saves. `backward` visits
+    the Nodes in the autograd engine's order (of those ready, the newest first): a Node's
+    rule allocates its inputs' gradients, then the Node lets go of what it saved and of
+    the gradient it consumed; a tensor used twice sums its two gradients into a new one;
+  a recompute unit (checkpoint.Recompute) keeps only its inputs: its first forward runs
+    without grad, and in backward its Node runs it again, then walks back through it.
+
+Kinds of bytes, for the breakdown at the peak: a storage some Node saved is an activation;
+else a kept FP8 weight copy; else a parameter's .grad; else in flight.
+"""
+import heapq
+from contextlib import contextmanager
+
+SAVED, GRAD, FLIGHT, KEPT = "activations", "parameter gradients", "in flight", "FP8 weights kept for the step"
+
+
+class Entry:
+    """The walk's book entry for one live storage. saved: how many Nodes hold it; term: its
+    name as a saved activation, scope: where it was first saved (a block's index, or
+    "embedding", "head", "units"); region: made inside a tensor-parallel region (split over
+    t ranks under TP); role: what kind of tensor it is (ops.NORM_STATISTICS, ...)."""
+    __slots__ = ("name", "label", "nbytes", "saved", "kept", "grad", "term", "scope", "region", "role")
+
+    def __init__(self, prefix, label, nbytes, region=False, grad=False):
+        self.name, self.label, self.nbytes, self.region, self.grad = prefix + label, label, nbytes, region, grad
+        self.saved, self.kept, self.term, self.scope, self.role = 0, False, None, None, None
+
+    @property
+    def kind(self):
+        return SAVED if self.saved else KEPT if self.kept else GRAD if self.grad else FLIGHT
+
+
+class Storage:
+    """Memory, freed by the walk when CPython frees this object: when nothing refers to it."""
+    __slots__ = ("entry", "walk")
+
+    def __init__(self, walk, entry):
+        self.walk, self.entry = walk, entry
+
+    def __del__(self):
+        self.walk.free(self.entry)
+
+
+class Tensor:
+    """A handle on a storage, as a torch.Tensor is: views share one. nbytes is the tensor's
+    own (a view of a third of a storage has a third of its bytes); layout is how ops see its
+    strides ("rows", or "heads": a (B, a, T, d) view of a (B, T, a*d) tensor, "head-major":
+    a contiguous (B, a, T, d), "sdpa": sdpa's (B, T, a, d) output seen as (B, a, T, d));
+    node/index: the op output it is, for its gradient (None: no gradient flows to it)."""
+    __slots__ = ("storage", "nbytes", "layout", "node", "index")
+
+    def __init__(self, storage, nbytes=None, layout="rows", node=None, index=0):
+        self.storage, self.layout, self.node, self.index = storage, layout, node, index
+        self.nbytes = storage.entry.nbytes if nbytes is None else nbytes
+
+    @property
+    def region(self):
+        return self.storage.entry.region
+
+    def view(self, nbytes=None, layout=None):
+        """Another handle on the same storage (a view: no memory), with no gradient edge."""
+        return Tensor(self.storage, self.nbytes if nbytes is None else nbytes, layout or self.layout)
+
+
+class Node:
+    """What autograd records for one op: the edges to its inputs' producers, what it saved
+    (Storages), and the rule its backward follows: rule(g, node, grads) -> input gradients,
+    run with the names (prefix) and scope the op ran with. A rule may let go of an incoming
+    gradient early (grads[i] = None) where PyTorch's own nodes would."""
+    __slots__ = ("name", "prefix", "scope", "seq", "inputs", "saved", "rule", "n_outputs", "ctx")
+
+    def __init__(self, name, prefix, scope, seq, inputs, rule, n_outputs, ctx):
+        self.name, self.prefix, self.scope, self.seq = name, prefix, scope, seq
+        self.inputs, self.rule, self.n_outputs, self.ctx = inputs, rule, n_outputs, ctx
+        self.saved = []
+
+    def release(self):
+        """release_variables: let go of everything saved (what nothing else holds is freed)."""
+        for storage in self.saved:
+            storage.entry.saved -= 1
+        self.saved = []
+
+    def __lt__(self, other):  # the engine's ready queue: the newest node first
+        return self.seq > other.seq
+
+
+class Walk:
+    """The bytes alive over a step. `static` bytes (states, buffers, the batch) are alive
+    throughout; every allocation adds a point (steps: where, totals: bytes alive), and the
+    peak keeps where it was and what was alive there, by kind. ZeRO-3 over `shard` ranks
+    keeps 1/shard of every parameter gradient."""
+
+    def __init__(self, static, shard=1):
+        self.static, self.shard = static, shard
+        self.total, self.totals, self.steps = static, [], []
+        self.peak, self.where, self.parts = static, "start", {}
+        self.live = {}  # id(entry) -> entry
+
+    def allocate(self, where, entries):
+        for entry in entries:
+            if entry.grad:
+                entry.nbytes //= self.shard
+            self.live[id(entry)] = entry
+            self.total += entry.nbytes
+        self.mark(where)
+
+    def mark(self, where):
+        """A point of the walk: the bytes alive now, and a new peak if it is one."""
+        self.totals.append(self.total)
+        self.steps.append(where)
+        if self.total > self.peak:
+            self.peak, self.where, self.parts = self.total, where, {}
+            for entry in self.live.values():
+                self.parts[entry.kind] = self.parts.get(entry.kind, 0) + entry.nbytes
+
+    def free(self, entry):
+        if self.live.pop(id(entry), None) is not None:
+            self.total -= entry.nbytes
+
+    def alive(self, kind=None):
+        """{name: bytes} of the live storages (of one kind)."""
+        return {e.name: e.nbytes for e in self.live.values() if kind is None or e.kind == kind}
+
+
+class Graph:
+    """The engine the description runs on (ledger/ops.py adds the ops). `sizes` is what the ops
+    need to know of the run (ops.Sizes); `plan` which units a recompute policy makes
+    (ledger/step.py). `declared` gathers what the ops hold, by kind ("param", "buffer",
+    "fp8 weight", "tied": a parameter another op owns): {name: {numel, scope, ...}}; `grads`
+    holds each parameter's .grad; `kept` the
+    FP8 weight copies kept for the step (fp8_ops.py)."""
+
+    def __init__(self, walk, sizes):
+        self.walk, self.sizes = walk, sizes
+        self.grad_enabled, self.seq, self.prefix, self.scope, self.plan = True, 0, "", None, None
+        self.declared, self.grads, self.kept = {"param": {}, "buffer": {}, "fp8 weight": {}, "tied": {}}, {}, {}
+
+    # ---------------------------------------------------------------- memory
+
+    def alloc(self, where, *parts, region=False, layout="rows"):
+        """Allocate one storage per (name, bytes) part at one point; returns their Tensors."""
+        entries = [Entry(self.prefix, name, nbytes, region) for name, nbytes in parts]
+        self.walk.allocate(self.prefix + where, entries)
+        return [Tensor(Storage(self.walk, e), layout=layout) for e in entries]
+
+    def new(self, where, name, nbytes, region=False, layout="rows", role=None):
+        """One storage at its own point."""
+        t, = self.alloc(where, (name, nbytes), region=region, layout=layout)
+        t.storage.entry.role = role
+        return t
+
+    def mark(self, where):
+        self.walk.mark(self.prefix + where)
+
+    def declare(self, kind, name, numel, **info):
+        """Something an op holds ("param", "buffer", "fp8 weight": bytes for buffers, elements
+        otherwise), counted once however often the op runs. info: for a parameter, whether it
+        is a matrix (AdamW decays those) and whether TP splits it (split)."""
+        self.declared[kind].setdefault(self.prefix + name, dict(numel=numel, scope=self.scope, **info))
+
+    def keep(self, name, **tensors):
+        """FP8 weight copies kept from this forward to the optimizer step (fp8.FP8Linear.weight_copy)."""
+        copy = self.kept.setdefault(self.prefix + name, {})
+        for key, t in tensors.items():
+            t.storage.entry.kept = True
+            copy[key] = t
+
+    # ---------------------------------------------------------------- autograd
+
+    def record(self, name, inputs, outputs, rule, saved=(), **ctx):
+        """Make the op's Node (grad enabled only): edges to `inputs`' producers, `outputs` made
+        its own, `saved` [(tensor, term name)] held. Returns the Node, or None without grad."""
+        if not self.grad_enabled:
+            return None
+        self.seq += 1
+        node = Node(name, self.prefix, self.scope, self.seq, [(t.node, t.index) if t.node else None for t in inputs],
+                    rule, len(outputs), ctx)
+        for i, t in enumerate(outputs):
+            t.node, t.index = node, i
+        for t, term in saved:
+            self.save(node, t, term)
+        return node
+
+    def save(self, node, tensor, term):
+        """node keeps tensor's storage. Its term: what the op calls it, or the storage's own name
+        where the op saves a view of part of it (q, k and v of c_attn's output)."""
+        entry = tensor.storage.entry
+        entry.saved += 1
+        if entry.term is None:
+            entry.term, entry.scope = term if tensor.nbytes == entry.nbytes else entry.label, self.scope
+        node.saved.append(tensor.storage)
+
+    def leaf(self, tensor):
+        """A tensor that gradients flow to and stop at (`backward`'s wrt): a view, no memory."""
+        t = tensor.view()
+        self.record("leaf", [], [t], rule=None)
+        return t
+
+    def unit(self, name, fn, *args, term, scope):
+        """checkpoint.Recompute around fn(*args): its forward runs without grad (it frees as it
+        goes, saves nothing) and keeps only its tensor arguments; its Node re-runs fn in backward
+        (_rerun). Without grad (evaluation) it is just fn(*args)."""
+        if not self.grad_enabled:
+            return fn(*args)
+        with self.no_grad():
+            out = fn(*args)
+        previous, self.scope = self.scope, scope
+        self.record(name, list(args), [out], _rerun, saved=[(t, term) for t in args], fn=fn,
+                    specs=[(t.nbytes, t.layout) for t in args])
+        self.scope = previous
+        return out
+
+    def core_runner(self, core, *args):
+        """CausalSelfAttention.core_runner: the core as it is, or a recompute unit where the
+        policy recomputes this block's core (the selective policy's)."""
+        if self.plan is not None and self.scope in self.plan.core_units:
+            return self.unit("attn.core", lambda *a: core(self, *a), *args, term="recompute inputs", scope=self.scope)
+        return core(self, *args)
+
+    @contextmanager
+    def no_grad(self):
+        previous, self.grad_enabled = self.grad_enabled, False
+        try:
+            yield
+        finally:
+            self.grad_enabled = previous
+
+    @contextmanager
+    def enable_grad(self):
+        previous, self.grad_enabled = self.grad_enabled, True
+        try:
+            yield
+        finally:
+            self.grad_enabled = previous
+
+    @contextmanager
+    def within(self, prefix, scope):
+        """Names of points and terms inside one block ("3."), and the scope its terms go to."""
+        previous = self.prefix, self.scope
+        self.prefix, self.scope = prefix, scope
+        try:
+            yield
+        finally:
+            self.prefix, self.scope = previous
+
+    def param_grad(self, where, param, nbytes, made=None):
+        """AccumulateGrad for `param` (nbytes: its gradient's): a gradient allocated right here
+        as .grad, or one made in flight already (made: [it], handed over); where .grad holds
+        one, the two are summed into a new .grad and both go."""
+        name = self.prefix + param
+        tensor = made.pop() if made else self._grad(where, param + " grad", nbytes)
+        old = self.grads.pop(name, None)
+        if old is not None:
+            total = self._grad(param + " gradient accumulated", param + " grad (sum)", nbytes)
+            del old, tensor
+            tensor = total
+        tensor.storage.entry.grad = True
+        self.grads[name] = tensor
+
+    def _grad(self, where, label, nbytes):
+        entry = Entry(self.prefix, label, nbytes, grad=True)
+        self.walk.allocate(self.prefix + where, [entry])
+        return Tensor(Storage(self.walk, entry))
+
+    def backward(self, roots, wrt=()):
+        """Run backward from [(tensor, its gradient)] through the recorded Nodes; returns the
+        gradients that reach `wrt` (leaves, see `leaf`), in order."""
+        deps, stack, seen = {}, [t.node for t, _ in roots], set()
+        while stack:  # how many edges point at each node: it runs when all have delivered
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            for edge in node.inputs:
+                if edge is not None:
+                    deps[id(edge[0])] = deps.get(id(edge[0]), 0) + 1
+                    stack.append(edge[0])
+        buffers, ready = {}, []
+        for t, grad in roots:
+            self._deliver(buffers, (t.node, t.index), grad)
+            ready.append(t.node)
+        del t, grad  # the caller holds the roots' gradients for as long as backward runs
+        heapq.heapify(ready)
+        leaves = {id(t.node): i for i, t in enumerate(wrt)}
+        found = [None] * len(wrt)
+        while ready:
+            node = heapq.heappop(ready)
+            grads = buffers.pop(id(node), None) or [None] * node.n_outputs
+            if id(node) in leaves:
+                found[leaves[id(node)]] = grads[0]
+                continue
+            with self.within(node.prefix, node.scope):
+                outs = node.rule(self, node, grads)
+            del grads  # the gradient this node consumed goes (unless its rule passed it on)
+            node.release()
+            for i, edge in enumerate(node.inputs):
+                if edge is None:
+                    continue
+                if outs[i] is not None:
+                    self._deliver(buffers, edge, outs[i])
+                deps[id(edge[0])] -= 1
+                if deps[id(edge[0])] == 0:
+                    heapq.heappush(ready, edge[0])
+            del outs
+        return found
+
+    def _deliver(self, buffers, edge, grad):
+        node, index = edge
+        slots = buffers.setdefault(id(node), [None] * node.n_outputs)
+        if slots[index] is None:
+            slots[index] = grad
+            return
+        # a second gradient for one tensor: old + new into a new tensor, and both go
+        entry = Entry(node.prefix, node.name + " gradient sum", grad.nbytes, grad.region)
+        self.walk.allocate(node.prefix + node.name + " gradients add", [entry])
+        slots[index] = Tensor(Storage(self.walk, entry), layout=grad.layout)
+
+
+def _rerun(g, node, grads):
+    """checkpoint.Recompute.backward: fresh leaves on the saved inputs (views: no memory), fn run
+    again with grad (FP8 reuses the kept weight copies), then backward through it from the
+    incoming gradient. Until it returns the node holds that gradient, the inputs and the
+    re-run's output; the inputs' gradients go on to the unit's producers."""
+    with g.enable_grad():
+        leaves = [g.leaf(Tensor(storage, nbytes, layout)) for storage, (nbytes, layout)
+                  in zip(node.saved, node.ctx["specs"])]
+        out = node.ctx["fn"](*leaves)
+    return g.backward([(out, grads[0])], wrt=leaves)
