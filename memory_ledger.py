@@ -42,7 +42,7 @@ import torch
 import checkpoint
 import precision
 from ledger import step
-from ledger.ops import NORM_STATISTICS, Ops, Sizes  # noqa: F401  (NORM_STATISTICS: the papers' row reads it)
+from ledger.ops import NORM, Ops, Sizes  # noqa: F401  (NORM: the papers' rows read it)
 from ledger.walk import Walk
 
 COMPONENTS = ("parameters", "buffers", "gradients", "master", "optimizer", "fp8_kept", "activations", "inputs",
@@ -129,7 +129,7 @@ def plan(cfg):
 class Term:
     """One saved tensor of the description (or several alike: `count`), after the forward.
     scope: a block's index, "embedding", "head" or "units" (a recompute unit's input); region:
-    made inside a tensor-parallel region (split over TP's t); role: ops.NORM_STATISTICS, ..."""
+    made inside a tensor-parallel region (split over TP's t); role: ops.NORM for what a norm keeps."""
     name: str
     nbytes: int
     scope: object

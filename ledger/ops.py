@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ledger import fp8_ops, sdpa_math
 from ledger.walk import Graph
 
-NORM_STATISTICS = "normalization statistics"  # the role of a norm's saved mean/rstd (ledger/papers.py reads it)
+NORM = "normalization"  # the role of what a norm layer saves (ledger/papers.py sets it beside the paper's)
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,66 @@ class Ops(Graph):
         stats = z.b * z.s * z.stat_bytes
         mean, rstd, out = self.alloc(name, (name + " mean", stats), (name + " rstd", stats),
                                      (name + " output", x.nbytes), region=x.region)
-        mean.storage.entry.role = rstd.storage.entry.role = NORM_STATISTICS
-        self.record(name, [x], [out], _norm_backward, saved=[(x, name + " input"), (mean, name + " mean"),
-                                                              (rstd, name + " rstd")], nbytes=x.nbytes)
+        with self.kept_by(NORM):
+            self.record(name, [x], [out], _norm_backward, saved=[(x, name + " input"), (mean, name + " mean"),
+                                                                  (rstd, name + " rstd")], nbytes=x.nbytes)
+        return out
+
+    def rms_norm(self, name, x):
+        """nn.RMSNorm, as torch's composite runs it on CPU (rms_norm in aten's layer_norm.cpp;
+        torch/_decomp/decompositions.py writes the same): x in FP32, pow(2), mean, + eps in
+        place, rsqrt, x * rstd, * weight, back to x's dtype. It keeps x in FP32, rstd and the
+        normalized x, all FP32. (On CUDA torch may fuse it, keeping x and rstd: not measured here.)"""
+        z = self.sizes
+        self.declare("param", name + ".weight", z.h)
+        with self.kept_by(NORM):
+            x32 = self.to_fp32(name + " x.float()", x)
+            rstd = self.rsqrt(name + " rsqrt", self.mean(name + " mean", self.power(name + " pow", x32, 2),
+                                                          4 * z.b * z.s))
+            return self.cast(name + " type_as", self.by_weight(name + " * weight",
+                                                               self.mul(name + " x * rstd", x32, rstd),
+                                                               name + ".weight"), z.e)
+
+    def power(self, name, x, exponent):
+        """x ** exponent: saves x; backward x ** (exponent - 1), * exponent, * the gradient."""
+        out = self.new(name, name + " output", x.nbytes, region=x.region, layout=x.layout)
+        self.record(name, [x], [out], _chain_backward, saved=[(x, name + " input")], steps=3, nbytes=x.nbytes)
+        return out
+
+    def rsqrt(self, name, x):
+        """1 / sqrt(x): saves its output; backward output ** 3, * -0.5, * the gradient."""
+        out = self.new(name, name + " output", x.nbytes, region=x.region)
+        self.record(name, [x], [out], _chain_backward, saved=[(out, name + " output")], steps=3, nbytes=x.nbytes)
+        return out
+
+    def mean(self, name, x, nbytes):
+        """x.mean(-1, keepdim=True) (nbytes: the result's): saves nothing; backward expands the
+        gradient (a view) and divides it: one tensor of x's size."""
+        out = self.new(name, name + " output", nbytes, region=x.region)
+        self.record(name, [x], [out], _chain_backward, steps=1, nbytes=x.nbytes)
+        return out
+
+    def cast(self, name, x, itemsize):
+        """An FP32 x .to() a dtype of `itemsize` bytes: a copy (nothing for FP32); backward casts back."""
+        if itemsize == 4:
+            return x
+        out = self.new(name, name + " output", x.nbytes // 4 * itemsize, region=x.region)
+        self.record(name, [x], [out], _chain_backward, steps=1, nbytes=x.nbytes)
+        return out
+
+    def mul(self, name, a, b):
+        """a * b, b the same size as a or broadcast along its last dimension: saves both; backward
+        grad * b for a, then grad * a, summed down to b's size where b is smaller."""
+        out = self.new(name, name + " output", max(a.nbytes, b.nbytes), region=a.region or b.region, layout=a.layout)
+        self.record(name, [a, b], [out], _mul_backward, saved=[(a, name + " a"), (b, name + " b")],
+                    sizes=(a.nbytes, b.nbytes))
+        return out
+
+    def by_weight(self, name, x, param):
+        """x * a parameter vector (a norm's scale): saves x; backward grad * weight for x, then
+        grad * x summed over the tokens (FP32), cast to the parameter's dtype: its .grad."""
+        out = self.new(name, name + " output", x.nbytes, region=x.region)
+        self.record(name, [x], [out], _by_weight_backward, saved=[(x, name + " input")], param=param, nbytes=x.nbytes)
         return out
 
     def pointwise(self, name, x, saves="input", nbytes=None):
@@ -106,6 +163,9 @@ class Ops(Graph):
         return out
 
     def gelu(self, name, x):
+        return self.pointwise(name, x, saves="input")
+
+    def silu(self, name, x):
         return self.pointwise(name, x, saves="input")
 
     def softmax(self, name, x):
@@ -302,7 +362,7 @@ def _tied_head_backward(g, node, grads):
 
 
 def _to_16_backward(g, node, grads):
-    return [g.new("logits gradient to 16 bits", node.name + " dx", node.ctx["nbytes"], region=grads[0].region)]
+    return [g.new(node.name + " backward", node.name + " dx", node.ctx["nbytes"], region=grads[0].region)]
 
 
 def _embedding_backward(g, node, grads):
@@ -356,3 +416,34 @@ def _matmul_backward(g, node, grads):
 def _sdpa_backward(g, node, grads):
     bsh = g.sizes.bsh * g.sizes.e
     return g.alloc(node.name + " backward", ("dq", bsh), ("dk", bsh), ("dv", bsh), region=True, layout="sdpa")
+
+
+def _chain_backward(g, node, grads):
+    """A gradient made in `steps` elementwise ops, each result replacing the one before."""
+    out = None
+    for i in range(node.ctx["steps"]):
+        out = g.new(node.name + " backward", node.name + f" d{i}", node.ctx["nbytes"], region=grads[0].region)
+    return [out]
+
+
+def _mul_backward(g, node, grads):
+    a_bytes, b_bytes = node.ctx["sizes"]
+    da = g.new(node.name + " backward: d a", node.name + " da", a_bytes, region=grads[0].region)
+    db = g.new(node.name + " backward: d b", node.name + " db", max(a_bytes, b_bytes), region=grads[0].region)
+    if b_bytes < a_bytes:  # summed down to b's size
+        db = g.new(node.name + " backward: sum", node.name + " db summed", b_bytes, region=grads[0].region)
+    return [da, db]
+
+
+def _by_weight_backward(g, node, grads):
+    z = g.sizes
+    dx = g.new(node.name + " backward: dx", node.name + " dx", node.ctx["nbytes"], region=grads[0].region)
+    product = g.new(node.name + " backward: g * x", node.name + " g x", node.ctx["nbytes"])
+    summed = [g.new(node.name + " backward: sum", node.name + " dw32", 4 * z.h)]
+    del product
+    if z.e == 4:  # the FP32 sum is .grad itself
+        g.param_grad(node.name + " backward: dW", node.ctx["param"], 4 * z.h, made=summed)
+    else:  # cast to the parameter's dtype first
+        g.param_grad(node.name + " backward: dW", node.ctx["param"], z.h * z.e)
+    del summed
+    return [dx]

@@ -17,14 +17,19 @@ from dataclasses import replace
 
 import memory_ledger as ml
 from config import Config
-from ledger.parallel import big_config, korthikanti_layer_bytes, tp_block_bytes, zero_components
+from ledger.parallel import (big_config, korthikanti_layer_bytes, korthikanti_layer_terms, tp_block_bytes,
+                             zero_components)
 
 
-def layernorm_stats(cfg, t=1):
-    """The bytes our block keeps that Korthikanti's terms leave out: its norms' saved statistics
-    (the LayerNorms' mean and rstd, FP32 on CUDA: 2 x 2 x b*s x 4 = 16bs per layer), replicated
-    under TP, / t under SP."""
-    return sum(term.nbytes // t for term in ml.block_activation_terms(cfg) if term.role == ml.NORM_STATISTICS)
+def norm_extras(cfg, t=1):
+    """The bytes our block's norms keep beyond the 16-bit inputs Korthikanti's terms count for
+    them ("LayerNorms: inputs", 4sbh): for LayerNorm its mean and rstd (FP32 on CUDA: 2 x 2 x
+    b*s x 4 = 16bs per layer), which the paper drops; for another norm, whatever it keeps.
+    Replicated under TP, / t under SP."""
+    h, a, s, b = cfg.n_embd, cfg.n_head, cfg.block_size, cfg.batch_size
+    counted = dict(korthikanti_layer_terms(s, b, h, a))["LayerNorms: inputs"]
+    kept = sum(term.nbytes for term in ml.block_activation_terms(cfg) if term.role == ml.NORM)
+    return (kept - counted) // t
 
 
 def korthikanti_rows(t=8):
@@ -33,8 +38,8 @@ def korthikanti_rows(t=8):
     gpt3 = big_config("175B (GPT-3)", precision="bf16", attn="manual", dropout=0.1)
     h, a, s, b = gpt3.n_embd, gpt3.n_head, gpt3.block_size, gpt3.batch_size
     sbh, core = s * b * h, 5 * a * s * s * b
-    stats = layernorm_stats(gpt3)
-    why = "ours keeps the LayerNorms' FP32 mean+rstd (16bs), the paper drops them"
+    stats = norm_extras(gpt3)
+    why = "our norms keep more than their inputs (LayerNorm: the FP32 mean+rstd, 16bs), the paper drops it"
     ours = lambda cfg: sum(term.nbytes for term in ml.block_activation_terms(cfg, bool(ml.plan(cfg).core_units)))  # noqa
     no_drop = replace(gpt3, dropout=0.0)
     # eq. 1 less its dropout terms: the a*s^2 mask (1 byte) and output (2 bytes), two sbh masks
@@ -44,15 +49,15 @@ def korthikanti_rows(t=8):
         ("GPT-3 175B, eq. 1 (with dropout)", "sbh(34 + 5as/h)", korthikanti_layer_bytes(s, b, h, a), ours(gpt3),
          stats, why),
         ("GPT-3 175B, eq. 1 less its dropout terms", "sbh(32 + 2as/h)", paper_no_drop, ours(no_drop),
-         layernorm_stats(no_drop), why),
+         norm_extras(no_drop), why),
         (f"Table 2: TP t={t}", "sbh(10 + 24/t + 5as/(ht))", 10 * sbh + 24 * sbh // t + core // t,
          tp_block_bytes(gpt3, t, sp=False), stats, why + " (replicated under TP)"),
         (f"Table 2: TP t={t} + SP", "sbh(34/t + 5as/(ht))", 34 * sbh // t + core // t, tp_block_bytes(gpt3, t, sp=True),
-         layernorm_stats(gpt3, t), why + " (/ t under SP)"),
+         norm_extras(gpt3, t), why + " (/ t under SP)"),
         (f"Table 2: TP t={t} + selective", "sbh(10 + 24/t)", 10 * sbh + 24 * sbh // t, tp_block_bytes(sel, t, sp=False),
          stats, why + " (replicated under TP)"),
         (f"Table 2: TP t={t} + SP + selective", "sbh(34/t)", 34 * sbh // t, tp_block_bytes(sel, t, sp=True),
-         layernorm_stats(gpt3, t), why + " (/ t under SP)"),
+         norm_extras(gpt3, t), why + " (/ t under SP)"),
         ("Table 2: full recomputation", "2sbh", korthikanti_layer_bytes(s, b, h, a, "full"), kept_per_layer(gpt3), 0,
          "the same: each layer keeps its 16-bit input"),
     ]

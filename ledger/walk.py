@@ -31,7 +31,7 @@ class Entry:
     """The walk's book entry for one live storage. saved: how many Nodes hold it; term: its
     name as a saved activation, scope: where it was first saved (a block's index, or
     "embedding", "head", "units"); region: made inside a tensor-parallel region (split over
-    t ranks under TP); role: what kind of tensor it is (ops.NORM_STATISTICS, ...)."""
+    t ranks under TP); role: what kept it (ops.NORM: a normalization layer)."""
     __slots__ = ("name", "label", "nbytes", "saved", "kept", "grad", "term", "scope", "region", "role")
 
     def __init__(self, prefix, label, nbytes, region=False, grad=False):
@@ -146,6 +146,7 @@ class Graph:
     def __init__(self, walk, sizes):
         self.walk, self.sizes = walk, sizes
         self.grad_enabled, self.seq, self.prefix, self.scope, self.plan = True, 0, "", None, None
+        self.role = None  # what the tensors saved now are kept by (ops.NORM inside a norm)
         self.declared, self.grads, self.kept = {"param": {}, "buffer": {}, "fp8 weight": {}, "tied": {}}, {}, {}
 
     # ---------------------------------------------------------------- memory
@@ -201,6 +202,7 @@ class Graph:
         entry.saved += 1
         if entry.term is None:
             entry.term, entry.scope = term if tensor.nbytes == entry.nbytes else entry.label, self.scope
+            entry.role = entry.role or self.role
         node.saved.append(tensor.storage)
 
     def leaf(self, tensor):
@@ -245,6 +247,15 @@ class Graph:
             yield
         finally:
             self.grad_enabled = previous
+
+    @contextmanager
+    def kept_by(self, role):
+        """Tensors saved inside are kept by `role` (ops.NORM: a normalization layer's)."""
+        previous, self.role = self.role, role
+        try:
+            yield
+        finally:
+            self.role = previous
 
     @contextmanager
     def within(self, prefix, scope):

@@ -25,26 +25,29 @@ def test_korthikanti_per_layer_formula(s, b, h, a):
     assert selective == 34 * s * b * h  # sec. 5: selective recompute keeps 34sbh
     assert mp.korthikanti_layer_bytes(s, b, h, a) == sum(terms.values())
     assert mp.korthikanti_layer_bytes(s, b, h, a, "selective") == selective
-    # our block on CUDA, BF16, dropout, manual attention = the paper + LayerNorm's FP32 mean/rstd
-    # (2 LNs x 2 x b*s x 4 bytes), which the paper ignores; no mask term: model.py's future_mask
-    # is a buffer and masked_fill saves a view of it
+    # our block on CUDA, BF16, dropout, manual attention = the paper + what the norms keep beyond their
+    # inputs (LayerNorm: its FP32 mean/rstd, 2 LNs x 2 x b*s x 4 bytes), which the paper ignores; no mask
+    # term: model.py's future_mask is a buffer and masked_fill saves a view of it
     sh = Config(n_layer=1, n_embd=h, n_head=a, block_size=s, batch_size=b, dropout=0.1, precision="bf16",
                 device="cuda")
-    assert sum(t.nbytes for t in ml.block_activation_terms(sh)) == sum(terms.values()) + 16 * b * s
-    assert sum(t.nbytes for t in ml.block_activation_terms(sh, core_unit=True)) == selective + 16 * b * s
+    extras = papers.norm_extras(sh)
+    ours, ours_selective = (sum(t.nbytes for t in ml.block_activation_terms(sh, core)) for core in (False, True))
+    assert ours == sum(terms.values()) + extras, f"ours {ours:,} bytes, the paper's {sum(terms.values()):,} " \
+                                                 f"+ the norms' extras {extras:,}: the block is not the paper's"
+    assert ours_selective == selective + extras
 
 
 def test_published_figures_are_reproduced_and_explained():
     """Defect 7: each Korthikanti row differs from ours by exactly the bytes its reason names
-    (the LayerNorm statistics, computed from our terms), and ZeRO's Table 1 row is the same
-    formula: equal unrounded, and within Table 1's rounding to 0.1 GB."""
+    (what our norms keep beyond their inputs: the LayerNorm statistics, computed from our
+    terms), and ZeRO's Table 1 row is the same formula: equal unrounded, and within Table 1's
+    rounding to 0.1 GB."""
     rows = papers.korthikanti_rows(t=8)
     assert len(rows) == 7
     for name, formula, paper, ours, explained, why in rows:
-        assert ours - paper == explained, name
-    gpt3 = mp.big_config("175B (GPT-3)", dropout=0.1)
-    b, s = gpt3.batch_size, gpt3.block_size
-    assert [r[4] for r in rows] == [16 * b * s] * 3 + [16 * b * s // 8, 16 * b * s, 16 * b * s // 8, 0]
+        assert ours - paper == explained, f"{name}: ours {ours:,}, the paper's {paper:,}, explained {explained:,}"
+    extras = papers.norm_extras(mp.big_config("175B (GPT-3)", precision="bf16", attn="manual", dropout=0.1))
+    assert [r[4] for r in rows] == [extras] * 3 + [extras // 8, extras, extras // 8, 0]
     zero = papers.zero_rows()
     assert zero[0][2:] == (16, 16)
     for name, _, paper, ours in zero[1:]:
@@ -113,7 +116,7 @@ def test_tp_splits_what_the_parallel_regions_make(shape, policy):
     sh = replace(Config(n_layer=2, n_embd=64, n_head=4, block_size=32, batch_size=2, **shape), ckpt=policy)
     terms = ml.block_activation_terms(sh, policy == "selective")
     assert any(t.region for t in terms) and any(not t.region for t in terms)
-    assert not any(t.region for t in terms if t.role == ml.NORM_STATISTICS)
+    assert not any(t.region for t in terms if t.role == ml.NORM)
     one, t4, sp4 = (mp.tp_components(sh, t, sp) for t, sp in ((1, False), (4, False), (4, True)))
     assert sp4["activations"] < t4["activations"] < one["activations"] == ml.activation_bytes(sh)
 
