@@ -232,17 +232,15 @@ class Graph:
             return self.unit("attn.core", lambda *a: core(self, *a), *args, term="recompute inputs", scope=self.scope)
         return core(self, *args)
 
-    @contextmanager
     def no_grad(self):
-        previous, self.grad_enabled = self.grad_enabled, False
-        try:
-            yield
-        finally:
-            self.grad_enabled = previous
+        return self._grad_mode(False)
+
+    def enable_grad(self):
+        return self._grad_mode(True)
 
     @contextmanager
-    def enable_grad(self):
-        previous, self.grad_enabled = self.grad_enabled, True
+    def _grad_mode(self, enabled):
+        previous, self.grad_enabled = self.grad_enabled, enabled
         try:
             yield
         finally:
