@@ -226,14 +226,22 @@ def test_sixteen_bytes_per_param_for_mixed_precision_adam():
     assert per_param("fp8")[:3] == (2, 2, 4)  # fp8 keeps BF16 parameters and an FP32 master
 
 
+def linear_weights(cfg):
+    """(elements of every Linear weight, how many Linears, the largest) of model.GPT, built on the meta device."""
+    with torch.device("meta"):
+        gpt = model.GPT(cfg)
+    sizes = [m.weight.numel() for m in gpt.modules() if isinstance(m, nn.Linear)]
+    return sum(sizes), len(sizes), max(sizes)
+
+
 def test_fp8_weight_copies():
     # native FP8Linear keeps each E4M3 weight (with its 8-byte scale and amax storages) for one step, not as
     # state; HYBRID adds a column-major twin; TE caches E4M3 W and W^T per Linear, persistent like a parameter
     sh = Config(n_layer=3, n_embd=64, n_head=4, block_size=32, batch_size=2, precision="fp8")
-    weights = 12 * 64 * 64 * 3
-    assert ml.fp8_weight_copies(sh) == dict(persistent=0, kept=weights + 4 * 16 * 3, transient=4 * 4 * 64 * 64)
-    assert ml.fp8_weight_copies(replace(sh, fp8_grad="e5m2"))["kept"] == 2 * weights + 4 * 16 * 3
-    assert ml.components(sh)["fp8_kept"] == ml.state_bytes(sh)["fp8_kept"] == weights + 4 * 16 * 3
+    weights, n, largest = linear_weights(sh)
+    assert ml.fp8_weight_copies(sh) == dict(persistent=0, kept=weights + 16 * n, transient=4 * largest)
+    assert ml.fp8_weight_copies(replace(sh, fp8_grad="e5m2"))["kept"] == 2 * weights + 16 * n
+    assert ml.components(sh)["fp8_kept"] == ml.state_bytes(sh)["fp8_kept"] == weights + 16 * n
     assert ml.components(sh)["parameters"] == ml.state_bytes(sh)["parameters"]  # not a parameter: freed before AdamW
     te = replace(sh, fp8_backend="te")
     assert ml.fp8_weight_copies(te) == dict(persistent=2 * weights, kept=0, transient=0)

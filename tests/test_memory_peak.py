@@ -14,6 +14,7 @@ from ledger import measure, step
 from ledger import parallel as mp
 from ledger.ops import Ops
 from ledger.walk import GRAD, KEPT, Walk
+from model import GPT
 from tools import ledger as tool
 
 # activation-heavy: the states are a few MB, the activations tens of MB (issue 10, defect 4)
@@ -93,10 +94,12 @@ def test_fp8_kept_weights_are_in_the_walk_until_released(grad, ckpt, monkeypatch
     # before AdamW; what is released is the ledger's fp8_kept, which test_every_component_exact measures
     cfg = Config(n_layer=3, n_embd=32, n_head=2, block_size=16, batch_size=2, precision="fp8", fp8_grad=grad,
                  ckpt=ckpt)
-    L, h, kept = cfg.n_layer, cfg.n_embd, ml.state_bytes(cfg)["fp8_kept"]
-    twins = 12 * h * h * L if grad == "e5m2" else 0
-    shared_scales = 4 * 8 * L if ckpt != "full" else 0  # a saved tensor too, until its node's backward
-    assert kept_at(cfg, "end of forward", monkeypatch) == kept - twins - shared_scales > 12 * h * h * L
+    kept = ml.state_bytes(cfg)["fp8_kept"]
+    with torch.device("meta"):  # the model's own Linears
+        linears = [m.weight.numel() for m in GPT(cfg).modules() if isinstance(m, torch.nn.Linear)]
+    twins = sum(linears) if grad == "e5m2" else 0
+    shared_scales = 8 * len(linears) if ckpt != "full" else 0  # a saved tensor too, until its node's backward
+    assert kept_at(cfg, "end of forward", monkeypatch) == kept - twins - shared_scales > sum(linears)
     assert kept_at(cfg, "FP8 weight copies released", monkeypatch) == kept
     assert kept_at(cfg, "optimizer step: FP32 master gradients", monkeypatch) == 0
     assert kept_at(replace(cfg, precision="bf16"), "end of forward", monkeypatch) == 0
