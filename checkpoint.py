@@ -33,6 +33,7 @@ import math
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.utils.checkpoint
 
 from config import UsageError
 from model import run_blocks_in_order, run_directly
@@ -141,11 +142,12 @@ def recompute(fn, *args, params=(), contexts=None):
     return Recompute.apply(fn, len(args), around, *args, *tuple(params))
 
 
-def recompute_core(fn, *args):
-    """The core_runner of a block whose attention core is a unit: the core holds no Linear, so it
-    needs no precision context (with Transformer Engine: no TE module inside, nothing to re-enter);
-    it has no parameters: q, k, v are its inputs."""
-    return recompute(fn, *args)
+def torch_recompute(fn, *args, params=(), contexts=None):
+    """PyTorch's own recompute, torch.utils.checkpoint (non-reentrant), called like `recompute`:
+    the reference the tests hold ours to, and `make bench`'s reference row (apply_policy's
+    recompute_fn). params: unused (its saved-tensor hooks find them); contexts: its context_fn."""
+    kw = dict(context_fn=contexts) if contexts else {}
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kw)
 
 
 # ---------------------------------------------------------------- policies
@@ -245,20 +247,22 @@ def _checked_units(units, n_layer):
     return units
 
 
-def apply_policy(model, policy, contexts=None):
+def apply_policy(model, policy, contexts=None, recompute_fn=recompute):
     """Set model.block_runner and each attention's core_runner for `policy` (a Policy).
     contexts: what the precision needs around a unit of blocks, called with the unit's blocks
-    at its forward (precision.Recipe.recompute_contexts, given by train.build)."""
+    at its forward (precision.Recipe.recompute_contexts, given by train.build); a core holds no
+    Linear and needs none (with Transformer Engine: no TE module inside, nothing to re-enter).
+    recompute_fn: ours, or torch_recompute for the reference."""
     n = len(model.h)
     units = _checked_units(policy.block_units(n), n)
     cores = set(policy.core_units(n))
-    model.block_runner = _unit_runner(units, contexts) if units else run_blocks_in_order
+    model.block_runner = _unit_runner(units, contexts, recompute_fn) if units else run_blocks_in_order
     for i, block in enumerate(model.h):
-        block.attn.core_runner = recompute_core if i in cores else run_directly
+        block.attn.core_runner = recompute_fn if i in cores else run_directly  # q, k, v: the core's inputs
     return model
 
 
-def _unit_runner(units, contexts):
+def _unit_runner(units, contexts, recompute_fn):
     """GPT.block_runner with `units`: each run of blocks one Recompute, the other blocks as they are."""
     starts = {unit[0]: unit for unit in units}
 
@@ -271,8 +275,8 @@ def _unit_runner(units, contexts):
                 continue
             group = [blocks[j] for j in starts[i]]
             params = [p for b in group for p in b.parameters()]
-            x = recompute(run_blocks_in_order, group, x, params=params,
-                          contexts=functools.partial(contexts, group) if contexts else None)
+            x = recompute_fn(run_blocks_in_order, group, x, params=params,
+                             contexts=functools.partial(contexts, group) if contexts else None)
             i = starts[i][-1] + 1
         return x
     return run

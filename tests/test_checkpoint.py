@@ -81,6 +81,19 @@ def apply_oracle(model, policy, segment=0):
     return model
 
 
+@pytest.mark.parametrize("policy", ["full", "sqrt", "selective"])
+def test_the_torch_reference_runs_the_policys_units(policy):
+    # apply_policy with torch_recompute (make bench's reference row): PyTorch's checkpoint on our units,
+    # the same gradients as the hand-written oracle above, and as ours
+    x, y = batch()
+    config = Config(**{**SMALL, "dropout": 0.2, "ckpt": policy})
+    torch.manual_seed(0)
+    reference = checkpoint.apply_policy(GPT(config), checkpoint.policy(config), recompute_fn=checkpoint.torch_recompute)
+    theirs = train_step(reference, x, y)
+    assert_same(theirs, train_step(apply_oracle(make_model(dropout=0.2), policy), x, y))
+    assert_same(theirs, train_step(make_model(policy, dropout=0.2), x, y))
+
+
 def assert_same(a, b):
     """Loss and every parameter gradient equal, bit for bit."""
     assert torch.equal(a[0], b[0]), f"loss {a[0].item()!r} != {b[0].item()!r}"
@@ -303,7 +316,7 @@ def test_recompute_contexts_wrap_the_forward_and_the_rerun():
     x = torch.randn(4, requires_grad=True)
     fn = lambda t: (log.append((list(state), checkpoint.is_recomputing())) or t.sin())  # noqa: E731
     out = checkpoint.recompute(fn, x, contexts=make)
-    core = checkpoint.recompute_core(fn, x)  # selective's unit: no precision context
+    core = checkpoint.recompute(fn, x)  # selective's unit: no precision context
     (out + core).sum().backward()
     assert log[0] == "made" and log[1] == (["forward"], False) and log[2] == ([], False)
     assert sorted(map(str, log[3:])) == sorted(map(str, [([], True), (["rerun"], True)]))
