@@ -1,6 +1,7 @@
 """Benchmarks (not tests): tokens/s, ms/step, MFU and peak memory per precision, per
-recompute policy, DDP step time with and without no_sync, and FP8 (native, its HYBRID
-mode, Transformer Engine where installed) against BF16 at widths 2048 and 4096 (fp8wide).
+recompute policy (and ours against torch.utils.checkpoint on the same units, in paired
+rounds), DDP step time with and without no_sync, and FP8 (native, its HYBRID mode,
+Transformer Engine where installed) against BF16 at widths 2048 and 4096 (fp8wide).
 
 Chapter: the "it saves memory *and* speeds up" claims of sections 1-3, measured.
 Read first: `measure_row` (one configuration: the median step after warm-up steps).
@@ -59,6 +60,7 @@ class BenchOptions:
                         + " (fp8wide is for GPUs: skipped on CPU)")
     steps: int = key(9, "timed optimizer steps per row (the median is reported)", at_least=1)
     warmup: int = key(2, "untimed steps before them", at_least=0)
+    rounds: int = key(5, "ckpt section: paired rounds of ours against torch.utils.checkpoint", at_least=1)
 
 
 class AutocastReference:
@@ -72,13 +74,17 @@ class AutocastReference:
         return torch.autocast(self.device_type, dtype=torch.bfloat16)
 
 
-def measure_row(flags, steps, warmup, autocast_reference=False):
-    """Build the config's model, run warm-up steps, then time `steps` optimizer steps."""
+def measure_row(flags, steps, warmup, autocast_reference=False, torch_reference=False):
+    """Build the config's model, run warm-up steps, then time `steps` optimizer steps.
+    torch_reference: the config's recompute policy run by torch.utils.checkpoint instead of ours."""
     cfg = train.parse_args(flags)
     device = train.pick_device(cfg)
     tokens, _ = split_tokens(load_tokens(cfg.data), cfg.block_size)
     model, parts = train.build(cfg, device)
     recipe = parts.recipe
+    if torch_reference:  # the same units, PyTorch's own recompute
+        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts,
+                                recompute_fn=checkpoint.torch_recompute)
     if autocast_reference:
         parts.recipe = AutocastReference(device.type)
     batches = Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
@@ -111,6 +117,7 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
     activations = None if autocast_reference else \
         memory_ledger.activation_bytes(replace(cfg, device=device.type))  # autocast: not modelled
     return dict(precision="autocast-bf16" if autocast_reference else recipe.name, ckpt=cfg.ckpt,
+                recompute="torch.utils.checkpoint" if torch_reference else "ours",
                 tokens_per_s=tokens_per_s, ms_per_step=1000 * dt,
                 mfu=flops.utilization(tokens_per_s, model.flops_per_token(), peak),
                 hfu=flops.utilization(tokens_per_s, model.flops_per_token() + extra, peak),
@@ -119,9 +126,10 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
                             batch_size=cfg.batch_size, accum=accum, attn=cfg.attn))
 
 
-def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False):
+def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False, torch_reference=False):
     """Each row in a fresh process: CPU peak RSS is a per-process high-water mark."""
-    job = json.dumps(dict(flags=flags, steps=steps, warmup=warmup, autocast_reference=autocast_reference))
+    job = json.dumps(dict(flags=flags, steps=steps, warmup=warmup, autocast_reference=autocast_reference,
+                          torch_reference=torch_reference))
     r = subprocess.run([sys.executable, __file__, "--row", job], capture_output=True, text=True, cwd=HERE)
     if r.returncode == 2:  # bad input, already one line
         raise UsageError(r.stderr.strip().splitlines()[-1].removeprefix("error: "))
@@ -130,7 +138,7 @@ def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, planned, dry):
+def run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, planned, dry, rounds=1):
     """The rows of `sections` in order. dry: run nothing, only collect each row's flags in `planned`."""
     on_cpu, say = device.type == "cpu", ((lambda *a, **k: None) if dry else print)
     base_keys = {a.split("=")[0] for a in base}
@@ -142,11 +150,13 @@ def run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_
         flags = overridden(base, flags)
         planned.append(flags)
         if dry:  # a stand-in row, so that the comparisons below can run
-            return dict(tokens_per_s=1.0, ms_per_step=1.0)
+            return dict(tokens_per_s=1.0, ms_per_step=1.0, peak_mem_bytes=0)
         row = run_row_in_subprocess(flags, kw.get("steps", steps), kw.get("warmup", warmup),
-                                    kw.get("autocast_reference", False))
+                                    kw.get("autocast_reference", False), kw.get("torch_reference", False))
         row["section"], row["label"] = section, label or row["precision"]
         rows.append(row)
+        if kw.get("quiet"):
+            return row
         say(f"{section:9} {row['label']:17} {row['ckpt']:9} {fmt(row['tokens_per_s'], 'f1'):>12} tok/s "
               f"{fmt(row['ms_per_step'], 'f1'):>10} ms/step  MFU {fmt(row['mfu'], 'pct'):>6}  "
               f"HFU {fmt(row.get('hfu'), 'pct'):>6}  peak {fmt(row['peak_mem_bytes'], 'mem'):>9}  "
@@ -174,6 +184,23 @@ def run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_
             none = none or row
             row["time_vs_none"] = row["ms_per_step"] / none["ms_per_step"]
             say(f"{'':9} {'':17} {policy:9} time x{row['time_vs_none']:.2f} of none")
+        for policy in ("full", "sqrt", "selective"):  # ours against PyTorch's own, on the same units
+            flags = prec + [f"--ckpt={policy}", "--attn=manual"] + ([] if policy == "sqrt" else ["--ckpt_segment=0"])
+            ratios, peaks = [], dict(ours=[], torch=[])
+            for r in range(rounds):  # interleaved, each first in turn: this CPU's drift falls on both
+                pair = {}
+                for who in (("ours", "torch") if r % 2 == 0 else ("torch", "ours")):
+                    pair[who] = add("ckpt ref", flags, label=f"{policy} {who}", torch_reference=who == "torch",
+                                    quiet=True)
+                    peaks[who].append(pair[who]["peak_mem_bytes"])
+                ratios.append(pair["ours"]["ms_per_step"] / pair["torch"]["ms_per_step"])
+            if not dry:
+                ratio = sorted(ratios)[len(ratios) // 2]
+                rows.append(dict(section="ckpt ref", ckpt=policy, rounds=rounds, time_ours_vs_torch=ratio,
+                                 time_ratios=ratios, peak_ours=max(peaks["ours"]), peak_torch=max(peaks["torch"])))
+                say(f"{'ckpt ref':9} {policy:9} ours / torch.utils.checkpoint: time x{ratio:.3f} (median of {rounds} "
+                    f"paired rounds, {min(ratios):.3f}-{max(ratios):.3f}), peak {fmt(max(peaks['ours']), 'mem')} vs "
+                    f"{fmt(max(peaks['torch']), 'mem')}", flush=True)
     if "memory" in sections:
         # a config where activations dominate: long context, bigger micro-batch
         shape = ["--block_size=1024", "--batch_size=16"]
@@ -287,7 +314,8 @@ def run_sections(argv):
     run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, planned, dry=True)
     for flags in planned:
         train.parse_args(flags)
-    rows = run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, [], dry=False)
+    rows = run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, [], dry=False,
+                             rounds=opts.rounds)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_atomically(out / "bench.jsonl", lambda fh: fh.write("".join(json.dumps(r) + "\n" for r in rows).encode()))
@@ -299,5 +327,6 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--row":
         job = json.loads(sys.argv[2])
         sys.exit(train.run(lambda _: print(json.dumps(measure_row(job["flags"], job["steps"], job["warmup"],
-                                                                   job["autocast_reference"]))), []))
+                                                                   job["autocast_reference"],
+                                                                   job["torch_reference"]))), []))
     sys.exit(main(sys.argv[1:]))
