@@ -358,6 +358,15 @@ def test_the_terminal_sees_one_line(tmp_path):
     ("train", ["ARGS=--min_lr=nan"], "error: --min_lr must be a finite number"),
     ("ddp", ["NPROC=0"], "NPROC=0 must be a positive integer"),
     ("ddp", ["NPROC=abc"], "NPROC=abc must be a positive integer"),
+    # bounded before torchrun starts a rank: one per core here (no GPU)
+    ("ddp", ["NPROC=100000"], f"NPROC=100000 is more ranks than this machine's {len(os.sched_getaffinity(0))} CPU cores"),
+    # a capitalised variable that is no key is refused, not dropped
+    ("train", ["N_LAYERS=8"], "N_LAYERS is not a config key (the nearest is N_LAYER)"),
+    ("ledger", ["TP=3"], "TP is not a config key nor NPROC, PYTHON or ARGS; a tool's own flags go in ARGS='--tp=...'"),
+    ("bench", ["SECTIONS=foo"], "SECTIONS is not a config key"),
+    ("train", ["PYTHON=/nonexistent/python"], "PYTHON=/nonexistent/python is not an interpreter that runs here"),
+    # a value reaches the program as one word, spaces and all
+    ("train", ["DATA=/no such/file"], "error: --data=/no such/file: no such file or folder"),
 ])
 def test_make_targets_exit_2(target, variables, words, tmp_path):
     r = subprocess.run(["make", "-s", target, f"PYTHON={sys.executable}", f"OUT_DIR={tmp_path / 'o'}", *variables],
@@ -368,6 +377,16 @@ def test_make_targets_exit_2(target, variables, words, tmp_path):
     # "make[1]: ***" when this runs under `make test`)
     assert len(lines) == 1 or (len(lines) == 2 and re.match(r"make(\[\d+\])?: \*\*\*", lines[1])), lines
     assert not (tmp_path / "o").exists()
+
+
+def test_make_passes_values_to_the_program_not_to_the_shell(tmp_path):
+    ran = tmp_path / "ran"
+    for value in (f"N_LAYER=2;touch {ran}", f"N_LAYER=$(shell touch {ran})", f"ARGS=--n_layer=2 ;touch {ran}"):
+        r = subprocess.run(["make", "-s", "train", f"PYTHON={sys.executable}", f"OUT_DIR={tmp_path / 'o'}", value],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, f"make train {value!r}: exit {r.returncode}\n{r.stderr}"
+        assert not ran.exists(), f"make train {value!r} ran a command of the value"
+        assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
 
 
 KILLER = """
