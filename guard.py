@@ -66,8 +66,9 @@ class Divergence:
 
     def check(self, step, weights, cfg, note, probe_loss=None, world_size=1, device=None):
         """Raise RunError (every rank alike) if the run diverged; called once per log interval and
-        before each snapshot. probe_loss: the loss the weights about to be saved give on a fixed
-        batch (a weight update can run away with the loss still finite: the next forward shows it)."""
+        before each snapshot. probe_loss: before a snapshot that would replace one, the loss its
+        weights give on a fixed batch (an update can run away with the step's loss still finite:
+        only the next forward shows it, and the good snapshot must not go for it)."""
         finite_weights = all(bool(torch.isfinite(w).all()) for w in weights)
         probe_bad = probe_loss is not None and not math.isfinite(probe_loss)
         flags = [self.nonfinite is not None, self.too_many is not None, probe_bad, not finite_weights]

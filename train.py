@@ -219,9 +219,10 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
             last = step + 1 == cfg.max_iters
             snapshot_due = last or (cfg.snapshot_interval and (step + 1) % cfg.snapshot_interval == 0)
             if snapshot_due or (step + 1) % cfg.log_interval == 0:
-                # once per log interval (one sync) and before each snapshot, which is written
-                # only if the weights it holds still give a finite loss
-                probe = guard.probe_loss(model, probe_batch) if snapshot_due else None
+                # once per log interval (one sync) and before each snapshot; one that would replace
+                # a snapshot is written only if its weights still give a finite loss (one forward)
+                replaces = snapshot_due and (out_dir / snapshot.FILE).exists()
+                probe = guard.probe_loss(model, probe_batch) if replaces else None
                 watch.check(step + 1, weights, cfg, note(), probe, world_size, device)
             if snapshot_due:
                 state = snapshot.capture(cfg, model, parts, batches, step + 1, device, world_size)  # every rank
@@ -275,14 +276,18 @@ def run(program, argv):
         with guard.signals_handled():
             return program(argv) or 0
     except UsageError as e:
-        print(f"error: {config.shown(e)}", file=sys.stderr)
-        return 2
+        return say(f"error: {e}", 2)
     except RunError as e:
-        print(f"error: {config.shown(e)}", file=sys.stderr)
-        return 1
+        return say(f"error: {e}", 1)
     except guard.Interrupted as e:
-        print(config.shown(e.line()), file=sys.stderr)
-        return 128 + e.signum
+        return say(e.line(), 128 + e.signum)
+
+
+def say(line, status):
+    """The one line on stderr, in one write: torchrun's ranks share the terminal (python -u)."""
+    sys.stderr.write(config.shown(line) + "\n")
+    sys.stderr.flush()
+    return status
 
 
 def program(argv):
