@@ -1,12 +1,14 @@
 # Every config key (config.py) is a make variable in capitals: PRECISION=bf16 is --precision=bf16,
 # N_LAYER=8 is --n_layer=8. Only variables given on the command line become flags.
-# Three variables are not config keys: NPROC (processes for `make ddp`), PYTHON (an existing
-# interpreter that has torch, e.g. on GPU machines: nothing is installed) and ARGS (any other
-# flags, e.g. a tool's own: ARGS='--tp=4').
+# Three variables are not config keys: NPROC (processes for `make ddp`, at most one per GPU on
+# CUDA, per core on CPU), PYTHON (an existing interpreter that has torch, e.g. on GPU machines:
+# nothing is installed) and ARGS (any other flags, e.g. a tool's own: ARGS='--tp=4'; each word
+# one flag). Any other capitalised variable is refused, and every value reaches the program as
+# given: quoted for the shell, never expanded by make.
 
 VENV := .venv
 ifdef PYTHON
-PY := $(PYTHON)
+PY = $(call q,$(value PYTHON))
 DEPS :=
 else
 PY := $(VENV)/bin/python
@@ -19,12 +21,46 @@ KEYS := DATA OUT_DIR SEED DEVICE N_LAYER N_HEAD N_EMBD BLOCK_SIZE VOCAB_SIZE DRO
         LOSS_SCALE_HYSTERESIS FP8_BACKEND FP8_RECIPE FP8_AMAX_HISTORY FP8_MARGIN FP8_GRAD CKPT CKPT_SEGMENT \
         LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS SNAPSHOT_INTERVAL RESUME SAMPLE_TOKENS PEAK_FLOPS LEDGER SAMPLE_ONLY \
         MEMORY_SNAPSHOT
-lower = $(shell echo '$(1)' | tr A-Z a-z)
-FLAGS := $(strip $(foreach K,$(KEYS),$(if $(filter command line,$(origin $(K))),--$(call lower,$(K))=$($(K)))) $(ARGS))
+VARIABLES := $(KEYS) NPROC PYTHON ARGS
+# a value as one shell word, whatever it holds ('N_LAYER=2;touch x' must not run touch); values are
+# taken with $(value), so make does not expand a $(...) inside them either
+q = '$(subst ','\'',$(1))'
+lower = $(shell echo $(call q,$(1)) | tr A-Z a-z)
+given = $(filter command line,$(origin $(1)))
+unexport $(VARIABLES)  # make would expand a command-line value to put it in the recipe's environment
+FLAGS := $(strip $(foreach K,$(KEYS),$(if $(call given,$(K)),$(call q,--$(call lower,$(K))=$(value $(K))))) \
+                 $(foreach A,$(value ARGS),$(call q,$(A))))
+
+# a capitalised variable that is no key would be dropped without a word (N_LAYERS=8): refuse it
+UNKNOWN := $(firstword $(foreach V,$(.VARIABLES),$(if $(call given,$(V)),$(if $(filter $(V),$(VARIABLES)),,$(if \
+             $(filter $(V),$(call lower,$(V))),,$(V))))))
+ifneq ($(UNKNOWN),)
+NEAREST := $(shell python3 -c 'import difflib, sys; print(*difflib.get_close_matches(sys.argv[1], sys.argv[2:], 1))' \
+             $(call q,$(UNKNOWN)) $(VARIABLES) 2>/dev/null)
+$(error error: $(UNKNOWN) is not a config key$(if $(NEAREST), (the nearest is $(NEAREST)),) nor NPROC, PYTHON or \
+        ARGS; a tool's own flags go in ARGS='--$(call lower,$(UNKNOWN))=...')
+endif
+
+ifdef PYTHON
+ifneq ($(filter-out help clean,$(MAKECMDGOALS)),)
+ifeq ($(shell command -v $(call q,$(value PYTHON))),)
+$(error error: PYTHON=$(value PYTHON) is not an interpreter that runs here (not found or not executable))
+endif
+endif
+endif
+
 NPROC ?= 2
 ifneq ($(filter ddp,$(MAKECMDGOALS)),)
-ifeq ($(shell echo '$(NPROC)' | grep -Ex '[1-9][0-9]*'),)
-$(error error: NPROC=$(NPROC) must be a positive integer (processes per node))
+ifeq ($(shell echo $(call q,$(value NPROC)) | grep -Ex '[1-9][0-9]*'),)
+$(error error: NPROC=$(value NPROC) must be a positive integer (processes per node))
+endif
+# one rank per GPU on CUDA, per core on CPU: more would only queue, and every rank holds a whole model
+GPUS := $(if $(filter cpu,$(value DEVICE)),0,$(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU'))
+CORES := $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)
+LIMIT := $(if $(filter-out 0,$(GPUS)),$(GPUS) GPUs,$(CORES) CPU cores)
+ifeq ($(shell awk -v n=$(value NPROC) -v m=$(firstword $(LIMIT)) 'BEGIN { print (n + 0 <= m + 0) }'),0)
+$(error error: NPROC=$(value NPROC) is more ranks than this machine's $(LIMIT) (make ddp starts one per GPU on CUDA, \
+        one per core on CPU))
 endif
 endif
 

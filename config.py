@@ -137,10 +137,9 @@ def validate(cfg):
     if cfg.total_batch_tokens and cfg.accum != 1:
         raise UsageError("give --accum or --total_batch_tokens (which derives accum), not both")
     if cfg.loss_scale not in ("auto", "dynamic", "none"):
-        try:
-            value = float(cfg.loss_scale)
-        except ValueError:
-            raise UsageError(f"loss_scale must be auto|dynamic|none|<number>, got {cfg.loss_scale!r}") from None
+        if not NUMBER[float].fullmatch(cfg.loss_scale):  # float() would take 1_000, ' 5' and other scripts' digits
+            raise UsageError(f"loss_scale must be auto|dynamic|none|<number>, got {cfg.loss_scale!r}")
+        value = float(cfg.loss_scale)
         # the scaled loss and its gradients are FP32 numbers: a scale out of FP32's range is inf or 0
         if not (1 / FP32_MAX <= value <= FP32_MAX):
             raise UsageError(f"a static loss_scale must be a positive number within FP32's range, "
@@ -190,7 +189,8 @@ def validate_fp8(cfg):
 
 # ---------------------------------------------------------------- the --key=value parser
 
-# what a value may look like: no spaces, no 1_000 (Python's int() and float() accept both)
+# what a value may look like: ASCII digits, no spaces, no 1_000 (Python's int() and float() accept
+# all three, and digits of any script, '٥' too: [0-9] is ASCII only, \d would not be)
 NUMBER = {int: re.compile(r"[+-]?[0-9]+"), float: re.compile(r"[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][+-]?[0-9]+)?")}
 
 
@@ -207,6 +207,12 @@ def _convert(f, text):
         kind = {int: "int (an integer)", float: "float (a number)"}[f.type]
         raise UsageError(f"--{f.name} expects {kind}, got {text!r}")
     return f.type(text)
+
+
+def shown(text):
+    """`text` on one line: a control character (a newline inside a value) is written as its escape,
+    so an error message stays one line and no value can print a line of its own."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def parse_args(argv, *extra):

@@ -4,7 +4,10 @@ Chapter: none; it feeds every section. Read first: `load_tokens`, then `Batches`
 
 A token is a byte (vocabulary 256, no tokenizer). With no --data the corpus is this
 Python's own standard library (*.py, site-packages excluded, about 31 MB), cached once
-as a flat file under data_cache/, so `make train` needs no download.
+as a flat file under data_cache/, so `make train` needs no download. A file is read with
+pread as windows are drawn (`FileTokens`), not memory-mapped: a file that another program
+truncates mid-run then gives a short read, which the run names in one line, where a mapped
+page past the new end would kill it with SIGBUS.
 """
 import hashlib
 import os
@@ -14,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from config import UsageError
+from config import RunError, UsageError
 from snapshot import remove_stale_temps, write_atomically
 
 HERE = Path(__file__).resolve().parent
@@ -38,11 +41,15 @@ def host_memory_available():
 def text_files(path):
     """The regular files of --data (a file, or a folder read recursively), each readable."""
     p = Path(path)
-    if not p.exists():
-        raise UsageError(f"--data={path}: no such file or folder")
+    try:
+        p.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise UsageError(f"--data={path}: no such file or folder") from None
+    except OSError as e:  # a name too long, a loop of links
+        raise UsageError(f"--data={path}: {e.strerror or e}") from None
     if not p.is_file() and not p.is_dir():
         raise UsageError(f"--data={path}: not a regular file or a folder (a pipe or a device cannot be read twice)")
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    files = [p] if p.is_file() else sorted(_files_below(p, path))
     if not files:
         raise UsageError(f"--data={path}: the folder holds no files")
     for f in files:
@@ -51,17 +58,26 @@ def text_files(path):
     return files
 
 
+def _files_below(folder, path):
+    """The regular files below `folder`; a subfolder that cannot be listed is refused, as an
+    unreadable file is (rglob would skip it without a word)."""
+    def refuse(e):
+        raise UsageError(f"--data={path}: {e.filename} cannot be read ({e.strerror or e})")
+    for root, _, names in os.walk(folder, onerror=refuse, followlinks=True):
+        yield from (f for f in (Path(root) / n for n in names) if f.is_file())
+
+
 def load_tokens(data, cache_dir=HERE / "data_cache"):
     """All bytes of the data as a uint8 array (vocab 256: a token is a byte).
 
-    One --data file is mapped from disk (np.memmap), so it may be larger than memory; a
-    folder is read into memory, so it must fit. The default data is cached once as a flat
-    file under data_cache/ (git-ignored) and mapped the same way.
+    One --data file is read from disk as needed (FileTokens), so it may be larger than memory;
+    a folder is read into memory, so it must fit. The default data is cached once as a flat
+    file under data_cache/ (git-ignored) and read the same way.
     """
     if data:
         files = text_files(data)
         if len(files) == 1:
-            return _mapped(files[0])
+            return _file_tokens(files[0])
         size, free = sum(f.stat().st_size for f in files), host_memory_available()
         if size > free // 2:  # the files' bytes and their concatenation are both in memory for a moment
             raise UsageError(f"--data={data}: {size / 2**30:.1f} GiB of files do not fit in the "
@@ -77,20 +93,51 @@ def load_tokens(data, cache_dir=HERE / "data_cache"):
     if not cache.exists():
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            remove_stale_temps(cache.parent)
+            remove_stale_temps(cache.parent, (cache.name,))
             write_atomically(cache, lambda fh: fh.writelines(f.read_bytes() for f in files))
         except OSError as e:
             raise UsageError(f"cannot write the data cache {cache}: {e.strerror or e}") from None
-    return _mapped(cache)
+    return _file_tokens(cache)
 
 
-def _mapped(path):
-    if path.stat().st_size == 0:
-        return np.zeros(0, dtype=np.uint8)  # mmap refuses an empty file
+def _file_tokens(path):
     try:
-        return np.memmap(path, dtype=np.uint8, mode="r")
+        return FileTokens(open(path, "rb", buffering=0))  # noqa: SIM115 (open for the run's life)
     except OSError as e:
         raise UsageError(f"--data={path}: {e.strerror or e}") from None
+
+
+class FileTokens:
+    """The bytes of a file, as a uint8 array that reads only what is asked of it.
+
+    A slice is another FileTokens (nothing read); numpy reads one (np.asarray, np.stack) with
+    os.pread. A file that became shorter since it was opened (another program truncated it)
+    raises RunError with one line: a memory map would have died of SIGBUS instead."""
+
+    def __init__(self, fh, start=0, stop=None):
+        self.fh, self.start = fh, start
+        self.stop = os.fstat(fh.fileno()).st_size if stop is None else stop
+        self.path = fh.name
+
+    def __len__(self):
+        return self.stop - self.start
+
+    def __getitem__(self, index):
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("FileTokens takes a slice with step 1")
+        start, stop, _ = index.indices(len(self))
+        return FileTokens(self.fh, self.start + start, self.start + max(start, stop))
+
+    def __array__(self, dtype=None, copy=None):
+        try:
+            data = os.pread(self.fh.fileno(), len(self), self.start)
+        except OSError as e:
+            raise RunError(f"--data={self.path}: reading it failed mid-run: {e.strerror or e}") from None
+        if len(data) != len(self):
+            size = os.fstat(self.fh.fileno()).st_size
+            raise RunError(f"--data={self.path} changed while the run read it: it is {size:,} bytes now, was "
+                           f"{self.stop:,} or more (another program truncated it); stopping")
+        return np.frombuffer(data, dtype=np.uint8).astype(dtype or np.uint8)
 
 
 def split_tokens(tokens, block_size, val_fraction=0.1):
@@ -111,6 +158,14 @@ class Batches:
         self.tokens, self.block_size, self.batch_size, self.device = tokens, block_size, batch_size, device
         self.gen = torch.Generator().manual_seed(seed)
 
+    def micro_batches(self, k, all_at_once=False):
+        """One optimizer step's k micro-batches. all_at_once: a list (loss_norm=tokens counts every
+        micro-batch's targets before the first backward); else drawn one at a time as
+        accumulation_step iterates them, so one is in memory, not k (the same draws, in order)."""
+        if all_at_once:
+            return [self.next() for _ in range(k)]
+        return DrawnOnce(self, k)
+
     def next(self):
         ix = torch.randint(len(self.tokens) - self.block_size, (self.batch_size,), generator=self.gen).tolist()
         chunk = np.stack([self.tokens[i:i + self.block_size + 1] for i in ix]).astype(np.int64)
@@ -119,3 +174,19 @@ class Batches:
         if self.device.type == "cuda":
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.contiguous(), y.contiguous()
+
+
+class DrawnOnce:
+    """k micro-batches from `batches`, each drawn when the iteration reaches it; iterable once."""
+
+    def __init__(self, batches, k):
+        self.batches, self.k, self.used = batches, k, False
+
+    def __len__(self):
+        return self.k
+
+    def __iter__(self):
+        if self.used:
+            raise RuntimeError("micro-batches drawn as used can be iterated once")
+        self.used = True
+        return (self.batches.next() for _ in range(self.k))

@@ -10,23 +10,26 @@ rank's random streams, the step, and the config. It is written to a temporary fi
 beside the target and renamed over it, so a crash mid-write leaves the previous snapshot
 intact; a temporary file that a killed run left behind is removed at the next start. It
 is loaded with weights_only=True, so a foreign file cannot run code, and its structure is
-checked (`validate`) before any of it is used.
+checked (snapshot_fields.py) before any of it is used.
 """
 import dataclasses
 import os
 import re
+import stat
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from config import Config, RunError, UsageError
+from config import RunError, UsageError
+from guards.snapshot_fields import check_adamw_fits, validate
 
 FILE = "snapshot.pt"
-# the keys that must agree between a snapshot and the run that resumes from (or samples) it
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "precision")
-FP8_SHAPE_KEYS = ("fp8_backend", "fp8_amax_history")  # the FP8 state (TE's or our amax history) has a shape
-TEMP = re.compile(r".+\.partial-memtrain-(\d+)")  # write_atomically's temporary files: NAME.partial-memtrain-<pid>
+# write_atomically's temporary files: TARGET.partial-memtrain-<pid>
+TEMP = re.compile(r"(.+)\.partial-memtrain-([0-9]{1,7})")
+PROBE = ".probe"  # check_writable's probe file, PROBE.partial-memtrain-<pid>
+PID_MAX = 2 ** 22  # Linux's largest pid (PID_MAX_LIMIT): a larger number in a name is no pid of ours
 
 
 def write_atomically(path, write):
@@ -44,18 +47,24 @@ def write_atomically(path, write):
         tmp.unlink(missing_ok=True)
 
 
-def remove_stale_temps(folder):
-    """Delete the temporary files of writes whose process is gone (a kill -9 mid-write)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return
-    for f in folder.iterdir():
-        match = TEMP.fullmatch(f.name)
-        if match and f.is_file() and not _alive(int(match.group(1))):
-            f.unlink(missing_ok=True)
+def remove_stale_temps(folder, targets):
+    """Delete the temporary files of writes whose process is gone (a kill -9 mid-write): only
+    regular files directly in `folder` named TARGET.partial-memtrain-<pid> for one of `targets`
+    (the files this program writes there), so no file of the user's is taken for one."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return  # no folder (yet): nothing left over
+    for entry in entries:
+        match = TEMP.fullmatch(entry.name)
+        if match and match.group(1) in targets and entry.is_file(follow_symlinks=False) \
+                and not _alive(int(match.group(2))):
+            Path(entry.path).unlink(missing_ok=True)
 
 
 def _alive(pid):
+    if not 0 < pid <= PID_MAX:
+        return True  # no pid: not ours to judge, leave the file
     if pid == os.getpid():
         return False  # ours, from before an exec: nothing of this process writes it now
     try:
@@ -71,7 +80,7 @@ def check_writable(folder, flag):
     """Raise UsageError unless `folder` can be created and written: a probe file is written
     and removed, and any folder made for it is removed again, so nothing is left behind."""
     folder = Path(folder)
-    made = []
+    made, probe = [], None
     try:
         for parent in reversed([folder, *folder.parents]):
             if not parent.exists():
@@ -79,14 +88,34 @@ def check_writable(folder, flag):
                 made.append(parent)
         if not folder.is_dir():
             raise NotADirectoryError(f"{folder} is not a folder")
-        probe = folder / f".probe.partial-memtrain-{os.getpid()}"
-        probe.write_bytes(b"probe")
-        probe.unlink()
+        probe = folder / f"{PROBE}.partial-memtrain-{os.getpid()}"
+        probe.write_bytes(b"probe")  # on a full disk: created, then ENOSPC
     except OSError as e:
         raise UsageError(f"{flag}={folder} cannot be written: {e.strerror or e}") from None
     finally:
-        for path in reversed(made):
-            path.rmdir()
+        # whatever failed above, nothing of the probe stays (a cleanup error must not hide the first)
+        for path in ([probe] if probe else []) + made[::-1]:
+            try:
+                path.unlink(missing_ok=True) if path is probe else path.rmdir()
+            except OSError:
+                pass
+
+
+def check_reachable(folder, flag):
+    """check_writable for a rank that writes nothing there, without creating anything (rank 0
+    probes the same folder at the same moment): its nearest existing folder must be writable."""
+    for parent in [Path(folder), *Path(folder).parents]:
+        try:
+            mode = parent.stat().st_mode
+        except FileNotFoundError:
+            continue  # not there (or rank 0's probe folder, just removed again): look one up
+        except OSError as e:
+            raise UsageError(f"{flag}={folder} cannot be written: {e.strerror or e}") from None
+        if not stat.S_ISDIR(mode):
+            raise UsageError(f"{flag}={folder} cannot be written: {parent} is not a folder")
+        if not os.access(parent, os.W_OK | os.X_OK) and parent.exists():
+            raise UsageError(f"{flag}={folder} cannot be written: Permission denied")
+        return
 
 
 def save(path, state):
@@ -95,70 +124,32 @@ def save(path, state):
         write_atomically(path, lambda fh: torch.save(state, fh))
     except OSError as e:
         raise RunError(f"cannot write snapshot {path}: {e.strerror or e}; the previous snapshot is kept") from None
+    except RuntimeError as e:  # torch.save's writer turns a failed write (ENOSPC) into "unexpected pos ..."
+        raise RunError(f"cannot write snapshot {path} (is the disk full?): {str(e).splitlines()[0]}; the previous "
+                       f"snapshot is kept") from None
 
 
 def read(path):
+    """The snapshot at `path`, every field checked (`validate`), or UsageError."""
     path = Path(path)
-    if not path.exists():
-        raise UsageError(f"no snapshot at {path} to resume or sample from; train first")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data, no code
-    except Exception as e:  # a foreign or damaged file
-        raise UsageError(f"cannot read snapshot {path}: {type(e).__name__}") from None
+        # O_NONBLOCK: opening a pipe must not wait for a writer (a regular file ignores the flag)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise UsageError(f"no snapshot at {path} to resume or sample from; train first") from None
+    except OSError as e:  # a name too long, a folder without permission
+        raise UsageError(f"cannot read snapshot {path}: {e.strerror or e}") from None
+    with open(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"snapshot {path} is not a regular file (a pipe, a device or a folder)")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns of a raw-pickle file before refusing it
+                state = torch.load(fh, map_location="cpu", weights_only=True)  # tensors and plain data, no code
+        except Exception as e:  # a foreign or damaged file
+            raise UsageError(f"cannot read snapshot {path}: {type(e).__name__}") from None
     validate(state, path)
     return state
-
-
-def validate(state, path):
-    """Raise UsageError, with a one-line reason, for a file that loaded but is not a whole snapshot."""
-    def need(ok, why):
-        if not ok:
-            raise UsageError(f"snapshot {path} is not usable: {why}")
-    need(isinstance(state, dict), f"it holds a {type(state).__name__}, not a dict")
-    kinds = dict(model=dict, optimizer=dict, scaler=dict, rng=list, step=int, config=dict)
-    for name, kind in kinds.items():
-        need(name in state, f"it has no '{name}'")
-        need(isinstance(state[name], kind) and not isinstance(state[name], bool),
-             f"'{name}' is a {type(state[name]).__name__}, not a {kind.__name__}")
-    need(state["step"] >= 0, f"step={state['step']} is negative")
-    for name, t in state["model"].items():
-        need(torch.is_tensor(t) or name.endswith("_extra_state"), f"model entry {name} is not a tensor")
-        need(not torch.is_tensor(t) or not t.is_floating_point() or bool(torch.isfinite(t).all()),
-             f"model entry {name} holds inf or NaN")
-    masters = state["optimizer"].get("master_params")
-    need(isinstance(masters, list) and all(torch.is_tensor(m) for m in masters), "no master_params list")
-    need(all(bool(torch.isfinite(m).all()) for m in masters), "a master weight holds inf or NaN")
-    need(isinstance(state["optimizer"].get("adamw"), dict), "no AdamW state")
-    need(all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in state["scaler"].values()),
-         "the loss scaler's state is not numbers")
-    need(state["rng"] and all(isinstance(r, dict) and {"cpu", "batch"} <= set(r) for r in state["rng"]),
-         "no random streams")
-    need(all(k in state["config"] for k in SHAPE_KEYS), "its config lacks the model's shape")
-    kinds = {f.name: f.type for f in dataclasses.fields(Config)}
-    for name, value in state["config"].items():
-        kind = kinds.get(name)
-        fits = kind is not None and isinstance(value, (int, float) if kind is float else kind) and \
-            (kind is bool or not isinstance(value, bool))
-        what = getattr(kind, "__name__", "no such key")
-        need(fits, f"config entry {name}={value!r} is not Config's {name} ({what})")
-
-
-def check_same_model(state, cfg, fp8, path):
-    """Raise UsageError unless the snapshot was written by a model of cfg's shape (fp8: with FP8
-    state), and on the same learning-rate schedule."""
-    keys = SHAPE_KEYS + (FP8_SHAPE_KEYS if fp8 else ())
-    shape = {k: getattr(cfg, k) for k in keys}
-    saved = {k: state["config"].get(k) for k in keys}
-    if saved != shape:
-        diff = ", ".join(f"{k}={saved[k]} (now {shape[k]})" for k in keys if saved[k] != shape[k])
-        raise UsageError(f"--resume: snapshot {path} is from a different model: {diff}")
-    # lr_decay_iters=0 means "decay until max_iters": a resume with another max_iters would
-    # silently move the end of the cosine; ask for it by name instead
-    then = state["config"].get("lr_decay_iters") or state["config"].get("max_iters")
-    if not cfg.lr_decay_iters and then != cfg.max_iters:
-        raise UsageError(f"--resume: the snapshot's learning rate decays until step {then}, this run's until "
-                         f"max_iters={cfg.max_iters}; pass --lr_decay_iters={then} to keep the schedule "
-                         f"(or another value to change it)")
 
 
 # ---------------------------------------------------------------- a run's snapshot
@@ -174,25 +165,34 @@ def capture(cfg, model, parts, batches, step, device, world_size=1):
                 rng=rngs, step=step, config=dataclasses.asdict(cfg))
 
 
-def restore(snap, model, parts, batches, rank, world_size, device):
-    """Load a snapshot into this rank's run; returns the step to continue from."""
+def restore(snap, model, parts, batches, rank, world_size, device, scaler=True):
+    """Load a snapshot into this rank's run; returns the step to continue from. The run's own
+    AdamW hyperparameters (betas, weight decay: its flags) apply; scaler=False keeps the run's
+    fresh loss scaler (a --loss_scale that differs from the snapshot's) instead of the saved one."""
     masters = snap["optimizer"]["master_params"]
     expected = parts.optimizer.master_params if parts.optimizer.master_weights else []
     if [tuple(m.shape) for m in masters] != [tuple(m.shape) for m in expected]:
         raise UsageError(f"--resume: the snapshot holds {len(masters)} master weights, this run has "
                          f"{len(expected)} (or their shapes differ)")
+    check_adamw_fits(snap["optimizer"]["adamw"], parts.optimizer.adamw)
+    if len(snap["rng"]) != world_size:
+        raise UsageError(f"--resume: the snapshot was written by {len(snap['rng'])} ranks, this run has "
+                         f"{world_size}: each rank's data stream is in it")
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in parts.optimizer.adamw.param_groups]
     try:
         model.load_state_dict(snap["model"])
         parts.optimizer.load_state_dict(snap["optimizer"])
-        parts.scaler.load_state_dict(snap["scaler"])
-        if len(snap["rng"]) != world_size:
-            raise ValueError(f"the snapshot was written by {len(snap['rng'])} ranks, this run has "
-                             f"{world_size}: each rank's data stream is in it")
         rng = snap["rng"][rank]
         batches.gen.set_state(rng["batch"])
         set_rng_state(rng, device)
     except (RuntimeError, ValueError, KeyError, TypeError) as e:  # a snapshot that does not fit this run
         raise UsageError(f"--resume: snapshot does not fit this run: {str(e).splitlines()[0]}") from None
+    for group, own in zip(parts.optimizer.adamw.param_groups, hyper):
+        group.update(own)
+    if scaler:
+        parts.scaler.load_state_dict(snap["scaler"])
+    else:
+        parts.scaler.skipped_steps = snap["scaler"]["skipped_steps"]
     return snap["step"]
 
 

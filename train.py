@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -30,10 +31,12 @@ import fp8
 import precision
 import snapshot
 from config import RunError, UsageError
-from data import Batches, load_tokens, split_tokens
+from data import Batches
+from guards import clean_end as guard
+from guards import snapshot_fields
+from guards.preflight import MEMORY_HISTORY, check_saved_policy, preflight, resolve_accum, scaler_asked_anew
 from ledger import run as ledger_run
 from model import GPT
-
 
 def pick_device(cfg, local_rank=0):
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
@@ -67,16 +70,6 @@ def build(cfg, device=None):
     return model, parts
 
 
-def resolve_accum(cfg, world_size):
-    if cfg.total_batch_tokens:
-        try:
-            return accumulate.accum_from_total_tokens(cfg.total_batch_tokens, cfg.batch_size, world_size,
-                                                      cfg.block_size)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-    return cfg.accum
-
-
 # ---------------------------------------------------------------- the loop
 
 def lr_at(cfg, it):
@@ -108,12 +101,20 @@ def train(cfg, log=print):
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     accum = resolve_accum(cfg, config.world_size())
     device = pick_device(cfg, local_rank)
-    start = preflight(cfg, device, rank)  # bad input fails here, on every rank, before any process group
-    if "RANK" not in os.environ:
-        return train_loop(cfg, log, accum, 0, device, 1, start)
+    with ExitStack() as held:  # rank 0's lock on out_dir, for the run's whole life
+        start = preflight(cfg, device, rank, held)  # bad input fails here, on every rank, before any process group
+        if "RANK" not in os.environ:
+            return train_loop(cfg, log, accum, 0, device, 1, start)
+        if rank != 0:  # it writes nothing, so has nothing to unwind: a signal ends it at once, even in a collective
+            held.enter_context(guard.signals_handled(signal.SIG_DFL))
+        return train_ddp(cfg, log, accum, device, start)
+
+
+def train_ddp(cfg, log, accum, device, start):
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    with guard.signals_handled(signal.SIG_DFL):  # torchrun's SIGTERM must not wait out the rendezvous
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
         history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size(), start)
         # the DDP wrapper sits in reference cycles: free it while its process group lives
@@ -124,32 +125,6 @@ def train(cfg, log=print):
         return history
     finally:
         dist.destroy_process_group()
-
-
-def preflight(cfg, device, rank):
-    """Everything bad input can trip on, before anything heavy is built or anything written:
-    (the snapshot to resume from or None, train tokens, validation tokens)."""
-    if cfg.memory_snapshot and device.type != "cuda":
-        raise UsageError("--memory_snapshot records the CUDA allocator's history: it needs a CUDA device")
-    ledger_run.check_fits(cfg, device)
-    snap, path = None, Path(cfg.out_dir) / snapshot.FILE
-    if cfg.resume:
-        snap = snapshot.read(path)
-        snapshot.check_same_model(snap, cfg, precision.recipe(cfg).fp8 is not None, path)
-    tokens = split_tokens(load_tokens(cfg.data), cfg.block_size)
-    if rank == 0:  # the writer of snapshots: its folder must take them, and a killed run's leftovers go
-        snapshot.check_writable(cfg.out_dir, "--out_dir")
-        snapshot.remove_stale_temps(cfg.out_dir)
-    return snap, *tokens
-
-
-def check_finite(parts, step):
-    """Stop a run whose weights went inf/NaN before it can write them over a good snapshot."""
-    opt = parts.optimizer
-    weights = opt.model_params + (opt.master_params if opt.master_weights else [])
-    if not all(bool(torch.isfinite(w).all()) for w in weights):
-        raise RunError(f"step {step}: the weights hold inf or NaN (is the learning rate too high?); stopping "
-                       f"without writing a snapshot, the last good one is kept")
 
 
 def wrap_ddp(model, device):
@@ -169,14 +144,20 @@ def wrap_ddp(model, device):
 def train_loop(cfg, log, accum, rank, device, world_size, start):
     snap, train_tokens, val_tokens = start
     model, parts = build(cfg, device)
-    out_dir, start_step = Path(cfg.out_dir), 0
+    out_dir, start_step, resumed = Path(cfg.out_dir), 0, None
     # every rank draws its own batches; the validation stream is the same fixed one each eval
     batches = Batches(train_tokens, cfg.block_size, cfg.batch_size, cfg.seed + 1 + rank, device)
     torch.manual_seed(cfg.seed + 1000 + rank)  # dropout's stream, distinct per rank
-    if snap is not None:
-        start_step = snapshot.restore(snap, model, parts, batches, rank, world_size, device)
-    run_model = wrap_ddp(model, device) if world_size > 1 else model
     master = rank == 0
+    if snap is not None:
+        fresh_scaler = scaler_asked_anew(cfg, snap)
+        start_step = resumed = snapshot.restore(snap, model, parts, batches, rank, world_size, device,
+                                                scaler=not fresh_scaler)
+        if master and fresh_scaler:
+            saved = snap["scaler"]["loss_scale"]
+            log(f"loss scale: this run's ({parts.recipe.loss_scaling}, {parts.scaler.loss_scale:g}) replaces the "
+                f"snapshot's ({saved:g}), as its flags ask")
+    run_model = wrap_ddp(model, device) if world_size > 1 else model
     seqs, tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
     flops_per_token = model.flops_per_token()
     hw_flops_per_token = flops_per_token + checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg))
@@ -189,52 +170,68 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
         log(f"data: {len(train_tokens):,} train / {len(val_tokens):,} val bytes; "
             f"peak for MFU {peak / 1e12:.3g} TFLOP/s")
         out_dir.mkdir(parents=True, exist_ok=True)
-    history = []
+    history, saved_step, done = [], None, start_step
+    watch = guard.Divergence(parts.recipe)
+    weights = parts.optimizer.model_params + (parts.optimizer.master_params if parts.optimizer.master_weights else [])
+    probe_batch = Batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.seed, device).next()
+    note = lambda: guard.snapshot_note(out_dir / snapshot.FILE, saved_step, resumed)  # noqa: E731
     if master and cfg.memory_snapshot:
         ledger_run.start_history()
     t_last, tokens_since = time.perf_counter(), 0
-    for step in range(start_step, cfg.max_iters):
-        parts.optimizer.set_lr(lr_at(cfg, step))
-        micro = [batches.next() for _ in range(accum)]
-        loss, stepped, grad_norm = accumulate.accumulation_step(run_model, parts, micro, cfg.loss_norm, cfg.no_sync)
-        tokens_since += tokens_per_step
-        history.append(dict(step=step + 1, loss=loss, stepped=stepped, grad_norm=grad_norm,
-                            loss_scale=parts.scaler.loss_scale))
-        if master and step == start_step and cfg.ledger:
-            log(ledger_run.ledger_line(cfg, device))
-        if master and cfg.memory_snapshot and step + 1 == min(start_step + ledger_run.HISTORY_STEPS, cfg.max_iters):
-            ledger_run.save_history(out_dir / "memory_snapshot.pickle")
-            log(f"wrote {out_dir / 'memory_snapshot.pickle'}: the allocator's history of the first steps; "
-                f"open it at https://pytorch.org/memory_viz")
-        if master and ((step + 1) % cfg.log_interval == 0 or step + 1 == cfg.max_iters):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t_last
-            tok_s = tokens_since / dt  # all ranks together
-            n_steps = tokens_since // tokens_per_step
-            per_device = tok_s / world_size  # MFU compares one device's work with one device's peak
-            mfu, hfu = (flops.utilization(per_device, f, peak) for f in (flops_per_token, hw_flops_per_token))
-            pct = lambda u: "n/a" if u is None else f"{100 * u:.1f}%"
-            mem_text, _ = ledger_run.now(device)
-            log(f"step {step + 1:5d} | loss {loss:.4f} | lr {lr_at(cfg, step):.2e} | {1000 * dt / n_steps:7.1f} ms/step"
-                f" | {tok_s / 1e3:7.1f}k tok/s | MFU {pct(mfu)} HFU {pct(hfu)} | mem {mem_text}"
-                f" | scale {parts.scaler.loss_scale:g} skipped {parts.scaler.skipped_steps}")
-            t_last, tokens_since = time.perf_counter(), 0
-        if master and (step + 1) % cfg.eval_interval == 0:
-            t_eval = time.perf_counter()
-            val = estimate_loss(model, Batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.seed, device),
-                                cfg.eval_iters, parts.recipe)
-            log(f"step {step + 1:5d} | val loss {val:.4f}")
-            history[-1]["val_loss"] = val
-            t_last += time.perf_counter() - t_eval  # evaluation is not training time
-        last = step + 1 == cfg.max_iters
-        snapshot_due = last or (cfg.snapshot_interval and (step + 1) % cfg.snapshot_interval == 0)
-        if snapshot_due or (step + 1) % cfg.log_interval == 0:
-            check_finite(parts, step + 1)  # every rank holds the same weights: all stop together
-        if snapshot_due:
-            state = snapshot.capture(cfg, model, parts, batches, step + 1, device, world_size)  # every rank: it gathers
-            if master:
-                snapshot.save(out_dir / snapshot.FILE, state)
+    try:
+        for step in range(start_step, cfg.max_iters):
+            parts.optimizer.set_lr(lr_at(cfg, step))
+            micro = batches.micro_batches(accum, all_at_once=cfg.loss_norm == "tokens")
+            scale = parts.scaler.loss_scale
+            loss, stepped, grad_norm = accumulate.accumulation_step(run_model, parts, micro, cfg.loss_norm,
+                                                                    cfg.no_sync)
+            watch.after_step(step + 1, loss, stepped, scale)
+            done, tokens_since = step + 1, tokens_since + tokens_per_step
+            history.append(dict(step=step + 1, loss=loss, stepped=stepped, grad_norm=grad_norm,
+                                loss_scale=parts.scaler.loss_scale))
+            if master and step == start_step and cfg.ledger:
+                log(ledger_run.ledger_line(cfg, device))
+            if master and cfg.memory_snapshot and step + 1 == min(start_step + ledger_run.HISTORY_STEPS,
+                                                                  cfg.max_iters):
+                ledger_run.save_history(out_dir / MEMORY_HISTORY)
+                log(f"wrote {out_dir / MEMORY_HISTORY}: the allocator's history of the first steps; "
+                    f"open it at https://pytorch.org/memory_viz")
+            if master and ((step + 1) % cfg.log_interval == 0 or step + 1 == cfg.max_iters):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t_last
+                tok_s = tokens_since / dt  # all ranks together
+                per_device = tok_s / world_size  # MFU compares one device's work with one device's peak
+                mfu, hfu = (flops.utilization(per_device, f, peak) for f in (flops_per_token, hw_flops_per_token))
+                pct = lambda u: "n/a" if u is None else f"{100 * u:.1f}%"  # noqa: E731
+                ms = 1000 * dt / (tokens_since // tokens_per_step)
+                log(f"step {step + 1:5d} | loss {loss:.4f} | lr {lr_at(cfg, step):.2e} | {ms:7.1f} ms/step"
+                    f" | {tok_s / 1e3:7.1f}k tok/s | MFU {pct(mfu)} HFU {pct(hfu)} | mem {ledger_run.now(device)[0]}"
+                    f" | scale {parts.scaler.loss_scale:g} skipped {parts.scaler.skipped_steps}")
+                t_last, tokens_since = time.perf_counter(), 0
+            if master and (step + 1) % cfg.eval_interval == 0:
+                t_eval = time.perf_counter()
+                val = estimate_loss(model, Batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.seed, device),
+                                    cfg.eval_iters, parts.recipe)
+                log(f"step {step + 1:5d} | val loss {val:.4f}")
+                history[-1]["val_loss"] = val
+                t_last += time.perf_counter() - t_eval  # evaluation is not training time
+            last = step + 1 == cfg.max_iters
+            snapshot_due = last or (cfg.snapshot_interval and (step + 1) % cfg.snapshot_interval == 0)
+            if snapshot_due or (step + 1) % cfg.log_interval == 0:
+                # once per log interval (one sync) and before each snapshot; one that would replace
+                # a snapshot is written only if its weights still give a finite loss (one forward)
+                replaces = snapshot_due and (out_dir / snapshot.FILE).exists()
+                probe = guard.probe_loss(model, probe_batch) if replaces else None
+                watch.check(step + 1, weights, cfg, note(), probe, world_size, device)
+            if snapshot_due:
+                state = snapshot.capture(cfg, model, parts, batches, step + 1, device, world_size)  # every rank
+                if master:
+                    snapshot.save(out_dir / snapshot.FILE, state)
+                saved_step = step + 1
+    except guard.Interrupted as e:
+        e.where = f"step {done} of {cfg.max_iters}; {note()}"
+        raise
     if master and cfg.sample_tokens and start_step < cfg.max_iters:
         log("sample:\n" + sample(model, device, cfg.sample_tokens))
     return history
@@ -252,13 +249,17 @@ def sample(model, device, n_tokens, prompt=b"def "):
     return bytes(out).decode("utf-8", errors="replace")
 
 
+SAMPLE_KEYS = {"sample_only", "out_dir", "device", "seed", "sample_tokens"}  # what --sample_only reads
+
+
 def sample_from_snapshot(cfg):
     """Print a sample from out_dir/snapshot.pt, with the model shape it was trained with."""
     device = pick_device(cfg)
     snap = snapshot.read(Path(cfg.out_dir) / snapshot.FILE)
-    saved = snap.get("config", {})
-    keys = (*snapshot.SHAPE_KEYS, *snapshot.FP8_SHAPE_KEYS, "attn", "fp8_recipe")
-    cfg = dataclasses.replace(cfg, **{k: saved[k] for k in keys if k in saved})
+    check_saved_policy(snap, Path(cfg.out_dir) / snapshot.FILE)
+    saved = snap["config"]  # checked by snapshot.read, as a whole config
+    keys = (*snapshot_fields.SHAPE_KEYS, *snapshot_fields.FP8_SHAPE_KEYS, "attn", "fp8_recipe")
+    cfg = config.validate(dataclasses.replace(cfg, **{k: saved[k] for k in keys if k in saved}))
     model, _ = build(cfg, device)
     try:
         model.load_state_dict(snap["model"])
@@ -269,19 +270,25 @@ def sample_from_snapshot(cfg):
 
 def run(program, argv):
     """Every program's main: program(argv) -> exit status. Bad input is one line and status 2;
-    a run that cannot go on, one line and status 1. SIGTERM unwinds like Ctrl-C, so a file
-    being written atomically is finished or abandoned, never left half-written."""
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    a run that cannot go on, one line and status 1; Ctrl-C and SIGTERM, one line (the step
+    reached, where the last snapshot is) and 130 or 143. Both signals unwind (guard.Interrupted),
+    so a file being written atomically is finished or abandoned, never left half-written."""
     try:
-        return program(argv) or 0
+        with guard.signals_handled():
+            return program(argv) or 0
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return say(f"error: {e}", 2)
     except RunError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        return say(f"error: {e}", 1)
+    except guard.Interrupted as e:
+        return say(e.line(), 128 + e.signum)
+
+
+def say(line, status):
+    """The one line on stderr, in one write: torchrun's ranks share the terminal (python -u)."""
+    sys.stderr.write(config.shown(line) + "\n")
+    sys.stderr.flush()
+    return status
 
 
 def parse_args(argv, *extra):
@@ -302,8 +309,11 @@ def program(argv):
         print(usage("train.py"))
         return 0
     cfg = parse_args(argv)
-    if cfg.sample_only and config.given(argv) & {"data", "resume"}:
-        raise UsageError("--sample_only reads the snapshot in out_dir: --data and --resume do not apply")
+    ignored = config.given(argv) - SAMPLE_KEYS
+    if cfg.sample_only and ignored:
+        raise UsageError(f"--sample_only takes its model from the snapshot in out_dir: "
+                         f"--{', --'.join(sorted(ignored))} would be ignored; only "
+                         f"--{', --'.join(sorted(SAMPLE_KEYS - {'sample_only'}))} apply")
     sample_from_snapshot(cfg) if cfg.sample_only else train(cfg)
 
 

@@ -12,8 +12,8 @@ ledger` prints it, and the tests' failure messages carry it.
 Matching is by bytes, block by block (a tensor saved while model.h[i] ran belongs to block
 i; the rest to "outside": the embeddings, the head, the recompute units' inputs), the
 closest pairs first: a term whose name begins with the path, inside the block, of a module
-that saved the tensor ("attn.c_attn input" with h.0.attn.c_attn), the longer the path the
-closer; then any term of the same size.
+that saved the tensor or of its parent ("attn.c_attn input" with h.0.attn.c_attn), the
+longer the path the closer, the deeper-saved tensor first; then any term of the same size.
 """
 import re
 
@@ -40,9 +40,16 @@ def _place(module):
 
 
 def _closeness(term, paths):
-    """How well a term's name fits the modules that saved a tensor: the longest path it begins with."""
-    fits = [len(p) for p in paths if p and (term.name == p or term.name.startswith((p + " ", p + ".")))]
+    """How well a term's name fits the modules that saved a tensor: the longest of their paths (or
+    of those paths' parents: a module a learner wrapped) that the name begins with."""
+    fits = [len(p) for path in paths for p in _ancestors(path)
+            if term.name == p or term.name.startswith((p + " ", p + "."))]
     return max(fits, default=0)
+
+
+def _ancestors(path):
+    parts = path.split(".") if path else []
+    return [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
 
 
 def unexplained(cfg, saved_tensors):
@@ -57,10 +64,12 @@ def unexplained(cfg, saved_tensors):
     extra, missing = [], []
     for group in set(measured) | set(terms):
         tensors, wanted = measured.get(group, []), terms.get(group, [])
-        pairs = sorted(((_closeness(term, paths), -i, -j) for i, term in enumerate(wanted)
-                        for j, (paths, saved) in enumerate(tensors) if saved.nbytes == term.nbytes), reverse=True)
+        # the closest pairs first; of equally close ones, the tensor saved deeper in the modules
+        pairs = sorted(((_closeness(term, paths), max((p.count(".") for p in paths), default=0), -i, -j)
+                        for i, term in enumerate(wanted) for j, (paths, saved) in enumerate(tensors)
+                        if saved.nbytes == term.nbytes), reverse=True)
         used_terms, used_tensors = set(), set()
-        for _, i, j in pairs:
+        for _, _, i, j in pairs:
             if -i not in used_terms and -j not in used_tensors:
                 used_terms.add(-i)
                 used_tensors.add(-j)

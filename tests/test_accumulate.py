@@ -7,6 +7,7 @@ DDP tests is tests/ddp_worker.py; each torchrun launch runs once per module.
 """
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -349,3 +350,28 @@ def test_torchrun_fp8_scales_are_the_same_on_every_rank(data_file, tmp_path):
     assert histories and all(p0[k][0, :2].gt(0).all() for k in histories)  # input and weight amax recorded
     for k in p0:
         assert torch.equal(p0[k], p1[k]), k  # weights, amax histories and scales alike
+
+
+def test_torchrun_divergence_stops_every_rank_and_keeps_the_snapshot(ddp_train, data_file, tmp_path):
+    """A resume at a runaway learning rate on 2 ranks: the ranks agree (one all-reduce per check)
+    and stop together, and the 2-rank snapshot they resumed from is not replaced."""
+    out = tmp_path / "out"
+    shutil.copytree(ddp_train[2], out)
+    good = (out / snapshot.FILE).read_bytes()
+    args = merged(*TRAIN_ARGS, f"--data={data_file}", f"--out_dir={out}", "--precision=bf16", "--resume",
+                  "--total_batch_tokens=512", "--max_iters=8", "--lr_decay_iters=8", "--learning_rate=1e30",
+                  "--snapshot_interval=1")
+    r = torchrun(["train.py", *args])
+    said = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode != 0 and len(said) == WORLD, f"expected one error line per rank:\n{r.stderr[-3000:]}"
+    assert all("the run diverged" in line and "resumed from, untouched)" in line for line in said), \
+        f"not every rank's line says the run diverged and the resumed snapshot is kept: {said}"
+    assert (out / snapshot.FILE).read_bytes() == good, "the 2-rank snapshot was replaced after the divergence"
+
+
+def test_torchrun_a_refusal_on_one_rank_ends_the_others_at_once(data_file):
+    """Only rank 0 can find that it cannot write here (/proc refuses a mkdir even to root); rank 1
+    waits in the rendezvous, where torchrun's SIGTERM now ends it at once instead of after 30 s."""
+    r = torchrun(["train.py", *TRAIN_ARGS, f"--data={data_file}", "--out_dir=/proc/no/such/out"])
+    assert r.returncode != 0 and "error: --out_dir=/proc/no/such/out cannot be written" in r.stderr, r.stderr[-3000:]
+    assert "exitcode  : -9" not in r.stderr, f"a rank ignored SIGTERM until torchrun's SIGKILL:\n{r.stderr[-3000:]}"

@@ -5,6 +5,7 @@ traceback, nothing new in out_dir, and the snapshot already there byte-identical
 The programs run in-process through their `main` (fast); a few run as real processes,
 through make too, to show that what reaches the terminal is the same."""
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -44,9 +45,13 @@ def listing(folder):
 
 
 def broken_snapshot(out, change):
-    """Overwrite out's snapshot with a damaged copy of it: change(state) -> what to save."""
+    """Overwrite out's snapshot with a damaged copy of it: change(state) -> what to save (bytes: as they are)."""
     state = torch.load(out / snapshot.FILE, weights_only=True)
-    torch.save(change(state), out / snapshot.FILE)
+    damaged = change(state)
+    if isinstance(damaged, bytes):
+        (out / snapshot.FILE).write_bytes(damaged)
+    else:
+        torch.save(damaged, out / snapshot.FILE)
 
 
 def without(key):
@@ -65,6 +70,27 @@ def nan_weights(state):
 def shorter_masters(state):
     state["optimizer"]["master_params"] = state["optimizer"]["master_params"][:-1]
     return state
+
+
+def nested(*keys, value):
+    """Set state[k1][k2]... = value (an index for a list or a tuple)."""
+    def change(state):
+        inner = state
+        for k in keys[:-1]:
+            inner = inner[k]
+        if isinstance(inner, tuple):
+            raise TypeError("nested() cannot set inside a tuple")
+        inner[keys[-1]] = value(inner[keys[-1]]) if callable(value) else value
+        return state
+    return change
+
+
+def in_config(**entries):
+    return lambda state: {**state, "config": {**state["config"], **entries}}
+
+
+def moment(pid, name, value):
+    return nested("optimizer", "adamw", "state", pid, name, value=value)
 
 
 # (flags, words the error names, how to damage the snapshot first or None)
@@ -107,6 +133,59 @@ CASES = [
     (["--fp8_backend=te"], "applies to precision=fp8 only", None),
     (["--loss_scale_hysteresis=2"], "applies to dynamic loss scaling", None),
     (["--precision=fp32", "--fp32_grad_accum"], "with precision=fp32 they already are", None),
+    # numbers: ASCII digits only, in every key (loss_scale is a string key, parsed by validate)
+    (["--loss_scale=1_000"], "loss_scale must be auto|dynamic|none|<number>, got '1_000'", None),
+    (["--loss_scale= 5"], "loss_scale must be auto|dynamic|none|<number>, got ' 5'", None),
+    (["--loss_scale=\u0665"], "loss_scale must be auto|dynamic|none|<number>", None),  # an Arabic-Indic 5
+    (["--n_layer=\u0665"], "--n_layer expects int", None),
+    (["--learning_rate=1e-\u0663"], "--learning_rate expects float", None),
+    # a value (or a name) with a newline is echoed escaped: still one line
+    (["--precision=fp\n16"], "--precision=fp\\n16 is not one of", None),
+    (["--bogus\nerror: forged=1"], "unknown flag --bogus\\nerror: forged", None),
+]
+
+# inputs that only train.py takes: snapshots to resume, --data and --out_dir names, K
+TRAIN_CASES = [
+    # the loss scaler's state, as `snapshot.validate` checks it (inf, NaN, 1e300 and 0 all skipped every step)
+    *[(["--resume"], f"the loss scale {v!r} is not a positive number within FP32's range",
+       nested("scaler", "loss_scale", value=v)) for v in (float("inf"), float("nan"), 1e300, 0.0)],
+    (["--resume"], "the loss scaler's state has", nested("scaler", "backward", value=1)),
+    (["--resume"], "skipped_steps='3' is not a count", nested("scaler", "skipped_steps", value="3")),
+    (["--resume"], "the loss scaler tolerates 5 more overflows, its config's hysteresis only 1",
+     nested("scaler", "overflows_left", value=5)),
+    # AdamW: betas as a string, a negative step count, a moment of another shape, NaN in a moment
+    (["--resume"], "AdamW group 0 has betas='0.9, 0.95'", nested("optimizer", "adamw", "param_groups", 0, "betas",
+                                                                 value="0.9, 0.95")),
+    (["--resume"], "AdamW group 1 has lr='fast'", nested("optimizer", "adamw", "param_groups", 1, "lr", value="fast")),
+    (["--resume"], "step=tensor(-1.) is not a whole number in [0, 2]", moment(0, "step", torch.tensor(-1.0))),
+    (["--resume"], "step=tensor(2.5000) is not a whole number", moment(0, "step", torch.tensor(2.5))),
+    (["--resume"], "exp_avg of parameter 0 has shape (3,)", moment(0, "exp_avg", torch.zeros(3))),
+    (["--resume"], "exp_avg_sq is not a finite float tensor", moment(1, "exp_avg_sq", lambda t: t * float("nan"))),
+    (["--resume"], "exp_avg_sq is negative", moment(1, "exp_avg_sq", lambda t: -1 - t)),
+    (["--resume"], "AdamW state 99 is not a parameter's", nested("optimizer", "adamw", "state", 99,
+                                                                 value={"step": torch.tensor(1.0)})),
+    (["--resume"], "no list of FP32 master_params", nested("optimizer", "master_params", 0, value=lambda t: t.half())),
+    (["--resume"], "its random streams are not generator states", nested("rng", 0, "cpu", value=lambda t: t.float())),
+    # the saved config, through config.validate: for --resume and --sample_only alike
+    *[(flags, words, in_config(**entry)) for flags in (["--resume"], ["--sample_only"]) for entry, words in [
+        (dict(n_head=3), "its config: n_head=3 does not divide n_embd=32"),
+        (dict(n_head=0), "its config: --n_head must be >= 1, got 0"),
+        (dict(block_size=-1), "its config: --block_size must be >= 1, got -1"),
+        (dict(attn="flash"), "its config: --attn=flash is not one of manual|sdpa"),
+        (dict(precision="fp64"), "its config: --precision=fp64 is not one of"),
+    ]],
+    # a raw pickle (no code runs) and no torch warning before the one line
+    (["--resume"], "cannot read snapshot", lambda state: pickle.dumps({"step": 1})),
+    (["--sample_only"], "cannot read snapshot", lambda state: pickle.dumps([1, 2])),
+    # names longer than the file system takes
+    ([f"--out_dir=/tmp/{'o' * 300}"], "cannot be written: File name too long", None),
+    ([f"--data=/tmp/{'d' * 300}"], "File name too long", None),
+    # K: past 2^24 micro-steps nothing adds up; micro-batches held at once must fit in memory
+    (["--accum=100000000"], "accum=100000000 micro-steps per optimizer step: past 2^24", None),
+    (["--total_batch_tokens=10000000000"], "total_batch_tokens=10000000000 is accum=156250000 micro-steps", None),
+    (["--accum=16000000", "--loss_norm=tokens", "--batch_size=100"], "GiB at once, more than half the", None),
+    # --sample_only reads the model from the snapshot: the training flags are refused, named
+    (["--sample_only", "--n_layer=2"], "--n_layer would be ignored; only --device, --out_dir, --sample_tokens", None),
 ]
 
 
@@ -115,30 +194,54 @@ def run_main(main, argv, capsys):
     return code, capsys.readouterr().err
 
 
+def ends_in_one_line(code, err, status, words):
+    """A failure message in words: which of the promises (status, one line, the words) broke."""
+    assert "Traceback" not in err, f"a traceback instead of one line:\n{err}"
+    assert code == status, f"exit status {code}, expected {status}; stderr:\n{err}"
+    assert err.count("\n") == 1, f"stderr has {err.count(chr(10))} lines, expected one:\n{err}"
+    assert words in err, f"the line does not say {words!r}:\n{err}"
+
+
 PROGRAMS = {"train.py": train.main, "tools/demos.py flops": lambda argv: demos.main(["flops", *argv]),
             "tools/ledger.py": ledger.main, "tools/bench.py": bench.main}
 
 
-@pytest.mark.parametrize("flags,words,damage", CASES, ids=[" ".join(c[0]) + (" +damaged" if c[2] else "")
-                                                            for c in CASES])
+def case_ids(cases):
+    return [" ".join(flags)[:40] + (" +damaged" if damage else "") + f" -> {words[:50]}"
+            for flags, words, damage in cases]
+
+
+@pytest.mark.parametrize("flags,words,damage", CASES, ids=case_ids(CASES))
 @pytest.mark.parametrize("program", list(PROGRAMS))
 def test_bad_input_leaves_everything_alone(program, flags, words, damage, out_dir, capsys):
     reads_data = program in ("train.py", "tools/bench.py")
     if (program != "train.py" and "--resume" in flags) or (not reads_data and any(f.startswith("--data=") for f in flags)):
         pytest.skip(f"{program} reads no snapshot{'' if reads_data else ' and no data'}: it refuses the flag itself "
                     f"(test_programs_refuse_flags_they_would_ignore)")
+    refused_as_given(program, flags, words, damage, out_dir, capsys)
+
+
+@pytest.mark.parametrize("flags,words,damage", TRAIN_CASES, ids=case_ids(TRAIN_CASES))
+def test_bad_input_to_train_leaves_everything_alone(flags, words, damage, out_dir, capsys):
+    refused_as_given("train.py", flags, words, damage, out_dir, capsys)
+
+
+def refused_as_given(program, flags, words, damage, out_dir, capsys):
     if damage is not None:
         broken_snapshot(out_dir, damage)
     before = listing(out_dir)
     named = {f.partition("=")[0] for f in flags}  # the case's own flags go in as given (twice, if so)
-    if program == "tools/ledger.py":  # it refuses the training loop's keys: it runs no loop
+    if program in ("tools/ledger.py", "tools/demos.py flops"):  # they refuse the training loop's keys: no loop
         named |= {"--max_iters", "--sample_tokens", "--log_interval", "--eval_interval", "--ledger"}
+    if program == "tools/demos.py flops":  # and it writes nothing
+        named |= {"--out_dir"}
     argv = [f for f in merged(*TINY, f"--out_dir={out_dir}") if f.partition("=")[0] not in named] + flags
+    if "--sample_only" in flags:  # it takes its model from the snapshot, and refuses training flags
+        argv = [f"--out_dir={out_dir}", *flags]
     code, err = run_main(PROGRAMS[program], argv, capsys)
-    assert code == 2, err
-    assert err.startswith("error: ") and err.count("\n") == 1 and words in err, err
-    assert "Traceback" not in err
-    assert listing(out_dir) == before  # nothing new, the snapshot byte-identical
+    ends_in_one_line(code, err, 2, words)
+    assert err.startswith("error: "), err
+    assert listing(out_dir) == before, "out_dir changed: something new in it, or the snapshot rewritten"
 
 
 @pytest.mark.parametrize("where", ["a file", "below a file", "under /proc"])
@@ -196,8 +299,12 @@ def test_a_pipe_as_data_is_refused_without_reading_it(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("program,flag,words", [
-    ("train.py", "--data=/tmp", "--data and --resume do not apply"),  # with --sample_only
+    ("train.py", "--data=/tmp", "--data would be ignored"),  # with --sample_only
+    ("train.py", "--resume", "--resume would be ignored"),  # with --sample_only
+    ("train.py", "--learning_rate=1", "--learning_rate would be ignored"),  # with --sample_only
     ("tools/demos.py flops", "--ckpt=full", "the FLOP count sets these itself"),
+    *[("tools/demos.py flops", f, "the FLOP count runs one forward and backward of a fresh model, nothing else "
+                                  "applies") for f in ("--max_iters=3", "--data=/tmp", "--resume", "--out_dir=o")],
     ("tools/ledger.py", "--data=/tmp", "the ledger measures one step on random tokens"),
     ("tools/ledger.py", "--resume", "the ledger measures one step on random tokens"),
     ("tools/ledger.py", "--tp=1000", "--tp=1000 must divide n_head=2"),
@@ -207,9 +314,13 @@ def test_a_pipe_as_data_is_refused_without_reading_it(tmp_path, capsys):
 ])
 def test_programs_refuse_flags_they_would_ignore(program, flag, words, out_dir, capsys):
     before = listing(out_dir)
-    extra = ["--sample_only"] if program == "train.py" else []
-    code, err = run_main(PROGRAMS[program], merged(*TINY, f"--out_dir={out_dir}", *extra, flag), capsys)
-    assert code == 2 and words in err and err.count("\n") == 1 and err.startswith("error: "), err
+    argv = merged(*TINY, f"--out_dir={out_dir}", flag)
+    if program == "train.py":
+        argv = [f"--out_dir={out_dir}", "--sample_only", flag]
+    elif program == "tools/demos.py flops":  # TINY's loop keys and out_dir would be refused too: give only `flag`
+        argv = [flag]
+    code, err = run_main(PROGRAMS[program], argv, capsys)
+    ends_in_one_line(code, err, 2, words)
     assert listing(out_dir) == before
 
 
@@ -247,6 +358,15 @@ def test_the_terminal_sees_one_line(tmp_path):
     ("train", ["ARGS=--min_lr=nan"], "error: --min_lr must be a finite number"),
     ("ddp", ["NPROC=0"], "NPROC=0 must be a positive integer"),
     ("ddp", ["NPROC=abc"], "NPROC=abc must be a positive integer"),
+    # bounded before torchrun starts a rank: one per core here (no GPU)
+    ("ddp", ["NPROC=100000"], f"NPROC=100000 is more ranks than this machine's {len(os.sched_getaffinity(0))} CPU cores"),
+    # a capitalised variable that is no key is refused, not dropped
+    ("train", ["N_LAYERS=8"], "N_LAYERS is not a config key (the nearest is N_LAYER)"),
+    ("ledger", ["TP=3"], "TP is not a config key nor NPROC, PYTHON or ARGS; a tool's own flags go in ARGS='--tp=...'"),
+    ("bench", ["SECTIONS=foo"], "SECTIONS is not a config key"),
+    ("train", ["PYTHON=/nonexistent/python"], "PYTHON=/nonexistent/python is not an interpreter that runs here"),
+    # a value reaches the program as one word, spaces and all
+    ("train", ["DATA=/no such/file"], "error: --data=/no such/file: no such file or folder"),
 ])
 def test_make_targets_exit_2(target, variables, words, tmp_path):
     r = subprocess.run(["make", "-s", target, f"PYTHON={sys.executable}", f"OUT_DIR={tmp_path / 'o'}", *variables],
@@ -257,6 +377,16 @@ def test_make_targets_exit_2(target, variables, words, tmp_path):
     # "make[1]: ***" when this runs under `make test`)
     assert len(lines) == 1 or (len(lines) == 2 and re.match(r"make(\[\d+\])?: \*\*\*", lines[1])), lines
     assert not (tmp_path / "o").exists()
+
+
+def test_make_passes_values_to_the_program_not_to_the_shell(tmp_path):
+    ran = tmp_path / "ran"
+    for value in (f"N_LAYER=2;touch {ran}", f"N_LAYER=$(shell touch {ran})", f"ARGS=--n_layer=2 ;touch {ran}"):
+        r = subprocess.run(["make", "-s", "train", f"PYTHON={sys.executable}", f"OUT_DIR={tmp_path / 'o'}", value],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, f"make train {value!r}: exit {r.returncode}\n{r.stderr}"
+        assert not ran.exists(), f"make train {value!r} ran a command of the value"
+        assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
 
 
 KILLER = """

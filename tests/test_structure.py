@@ -17,7 +17,7 @@ from model import default_linear
 ROOT_FILES = {"config", "data", "model", "precision", "fp8", "accumulate", "checkpoint", "memory_ledger", "snapshot",
               "flops", "train"}
 CHAPTER = sorted(ROOT_FILES - {"config", "train"})
-MACHINERY = ("ledger", "backends")  # what the chapter stands on, each a folder: not read to learn it
+MACHINERY = ("ledger", "backends", "guards")  # what the chapter stands on, each a folder: not read to learn it
 ORDER = ["config", *CHAPTER, "train"]  # tools/ come after train and nothing imports them
 PRECISION_KEYS = {"precision", "loss_scale", "loss_scale_hysteresis", "fp8_backend", "fp8_recipe",
                   "fp8_amax_history", "fp8_margin", "fp8_grad"}

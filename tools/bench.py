@@ -323,10 +323,24 @@ def run_sections(argv):
     return 0
 
 
+def row_program(argv):
+    """`--row JOB`, run_row_in_subprocess's entry point: one JSON job in, one JSON row out."""
+    try:
+        job = json.loads(argv[0]) if len(argv) == 1 else None
+        flags, steps, warmup, autocast, torch_ref = (job[k] for k in ("flags", "steps", "warmup",
+                                                                      "autocast_reference", "torch_reference"))
+        ok = all(isinstance(f, str) for f in flags) and isinstance(autocast, bool) and isinstance(torch_ref, bool) \
+            and all(type(n) is int and n >= m for n, m in ((steps, 1), (warmup, 0)))
+    except (ValueError, TypeError, KeyError):
+        ok = False
+    if not ok:
+        raise UsageError("--row takes one JSON job {\"flags\": [...], \"steps\": n >= 1, \"warmup\": n >= 0, "
+                         "\"autocast_reference\": true|false, \"torch_reference\": true|false} (tools/bench.py "
+                         "starts it itself; run make bench)")
+    print(json.dumps(measure_row(flags, steps, warmup, autocast, torch_ref)))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--row":
-        job = json.loads(sys.argv[2])
-        sys.exit(train.run(lambda _: print(json.dumps(measure_row(job["flags"], job["steps"], job["warmup"],
-                                                                   job["autocast_reference"],
-                                                                   job["torch_reference"]))), []))
+    if sys.argv[1:2] == ["--row"]:
+        sys.exit(train.run(row_program, sys.argv[2:]))
     sys.exit(main(sys.argv[1:]))

@@ -109,5 +109,5 @@ def program(argv):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        sys.exit(sections234.worker(sys.argv[2]))
+        sys.exit(train.run(sections234.worker_program, sys.argv[2:]))
     sys.exit(train.run(program, sys.argv[1:]))

@@ -21,7 +21,9 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import accumulate  # noqa: E402
 import train  # noqa: E402
+from config import UsageError  # noqa: E402
 from ledger.measure import SavedBytes  # noqa: E402
+from snapshot import check_writable  # noqa: E402
 from tools import demos, ledger, plots  # noqa: E402
 from tools.chapter_runs import Claim, machine, slow_because, step_seconds, tiny  # noqa: E402
 
@@ -91,6 +93,16 @@ def count_allreduces(out):
                  f"all-reduces per optimizer step, 2 gloo ranks, K={K}, {counts['buckets']} DDP bucket(s): "
                  f"{counts['no_sync']} with no_sync, {counts['sync']} without (counted by a communication hook)",
                  f"K - 1 = {K - 1} fewer per bucket", saved == (K - 1) * counts["buckets"] and counts["no_sync"] > 0)
+
+
+def worker_program(argv):
+    """`--worker PATH`, as torchrun starts it (count_allreduces): bad arguments are one line."""
+    if len(argv) != 1:
+        raise UsageError(f"--worker takes one argument, the JSON file rank 0 writes; got {len(argv)}")
+    if "RANK" not in os.environ:
+        raise UsageError("--worker is one rank of the torchrun job `make chapter` starts; run make chapter")
+    check_writable(Path(argv[0]).parent, "--worker")
+    return worker(argv[0])
 
 
 def worker(path):
@@ -192,5 +204,11 @@ def components_table(device):
                  f"table below)", "each technique shrinks the component it names", all(checks)), rows
 
 
+def program(argv):
+    if argv[:1] != ["--worker"]:
+        raise UsageError("tools/chapter_runs_memory.py is started by make chapter as --worker PATH; run make chapter")
+    return worker_program(argv[1:])
+
+
 if __name__ == "__main__":
-    sys.exit(worker(sys.argv[2]) if sys.argv[1:2] == ["--worker"] else 2)
+    sys.exit(train.run(program, sys.argv[1:]))

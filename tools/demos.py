@@ -98,6 +98,8 @@ def format_underflow(rows):
 # ---------------------------------------------------------------- recompute FLOPs
 
 COUNTED_AS = dict(precision="fp32", attn="manual", device="cpu")  # what the FLOP count sets itself
+# what it reads: the model's shape, the micro-batch and the seed of the initial weights
+COUNTED_KEYS = {"n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "dropout", "batch_size", "seed"}
 
 
 def counted_step_flops(flags):
@@ -108,6 +110,10 @@ def counted_step_flops(flags):
     if fixed:
         raise UsageError(f"--{', --'.join(sorted(fixed))}: the FLOP count sets these itself (fp32, manual "
                          f"attention, CPU, every ckpt policy)")
+    ignored = given(flags) - COUNTED_KEYS
+    if ignored:
+        raise UsageError(f"--{', --'.join(sorted(ignored))}: the FLOP count runs one forward and backward of a fresh "
+                         f"model, nothing else applies (only --{', --'.join(sorted(COUNTED_KEYS))})")
     flops = {}
     for policy in checkpoint.POLICIES:  # every policy there is: a new one is counted too
         cfg = validate(replace(base, ckpt=policy, **COUNTED_AS))

@@ -1,0 +1,214 @@
+"""How a run ends early, and cleanly: divergence, Ctrl-C and SIGTERM, a second run on one out_dir.
+
+Chapter: none; section 1's loss scaler (precision.py) skips a step whose gradients overflow,
+and this file says when skipping is no longer the scaler's doing. Read first: `Divergence`
+(the rule), then `out_dir_lock`, then `Interrupted`.
+
+Every stop keeps the last good snapshot: a diverged run is stopped before its next snapshot
+would be written, a signal unwinds a write in progress (snapshot.write_atomically removes
+its temporary file), and the lock keeps two runs from writing one snapshot in turns.
+"""
+import errno
+import fcntl
+import math
+import os
+import signal
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from config import RunError, UsageError
+
+LOCK = ".memtrain.lock"  # in out_dir while a run uses it; its pid inside, for the refusal
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+# ---------------------------------------------------------------- divergence
+
+class Divergence:
+    """Watches each step's loss and whether it stepped (host values the loop has anyway: no sync).
+
+    The rule. A non-finite loss (on any rank) is divergence: no loss scale makes a forward finite.
+    A skipped step (inf/NaN gradients) is the scaler's business while the scaler can explain it:
+    a dynamic scaler tolerates hysteresis-1 overflows, then halves the scale per overflow, so
+    from scale S it is down to 1 after hysteresis-1 + ceil(log2 S) skips in a row. One skip more
+    overflowed at a scale <= 1: the gradients are not finite even unscaled, and lowering the
+    scale further cannot help. A static scale (or none, scale 1) never moves; its run of skips
+    gets the same allowance, counted from that scale (none: 0, the first skip stops: a bf16 or
+    fp32 gradient that is inf or NaN is no overflow a scale could avoid). FP16's early overflows
+    at 2^16 take at most 16 + hysteresis-1 halvings, so they never trigger it.
+    """
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+        self.nonfinite = None  # (step, loss) of this rank's first non-finite loss
+        self.skips, self.scale_at_first_skip = 0, None  # the current run of skipped steps
+        self.too_many = None  # (step, skips, scale) where a run of skips passed the allowance
+
+    def allowance(self, scale):
+        hysteresis = self.recipe.hysteresis if self.recipe.loss_scaling == "dynamic" else 1
+        return hysteresis - 1 + max(0, math.ceil(math.log2(scale)))
+
+    def after_step(self, step, loss, stepped, scale):
+        """step: the step just done (1-based); scale: the loss scale it ran with."""
+        if not math.isfinite(loss) and self.nonfinite is None:
+            self.nonfinite = (step, loss)
+        if stepped:
+            self.skips = 0
+            return
+        if self.skips == 0:
+            self.scale_at_first_skip = scale
+        self.skips += 1
+        if self.skips > self.allowance(self.scale_at_first_skip) and self.too_many is None:
+            self.too_many = (step, self.skips, self.scale_at_first_skip)
+
+    def check(self, step, weights, cfg, note, probe_loss=None, world_size=1, device=None):
+        """Raise RunError (every rank alike) if the run diverged; called once per log interval and
+        before each snapshot. probe_loss: before a snapshot that would replace one, the loss its
+        weights give on a fixed batch (an update can run away with the step's loss still finite:
+        only the next forward shows it, and the good snapshot must not go for it)."""
+        finite_weights = all(bool(torch.isfinite(w).all()) for w in weights)
+        probe_bad = probe_loss is not None and not math.isfinite(probe_loss)
+        flags = [self.nonfinite is not None, self.too_many is not None, probe_bad, not finite_weights]
+        if world_size > 1:  # ranks see other losses: they decide together, so all stop or none
+            agreed = torch.tensor(flags, dtype=torch.float32, device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            flags = [bool(f) for f in agreed.tolist()]
+        cause = f"lower --learning_rate (its peak is {cfg.learning_rate:g})"
+        if cfg.weight_decay >= 1 and cfg.learning_rate * cfg.weight_decay >= 1:  # AdamW: weights x (1 - lr x wd)
+            cause += f" or --weight_decay ({cfg.weight_decay:g}: lr x weight_decay >= 1 flips the weights each step)"
+        if flags[3]:
+            why = f"step {step}: the weights hold inf or NaN; {cause}"
+        elif flags[0]:
+            when = f"step {self.nonfinite[0]}, loss {self.nonfinite[1]}" if self.nonfinite else "on another rank"
+            why = f"step {step}: the run diverged: the loss is not finite ({when}); {cause}"
+        elif flags[1]:
+            at, skips, scale = self.too_many
+            if self.recipe.loss_scaling == "static":
+                cause = f"lower --loss_scale={scale:g} (or use --loss_scale=dynamic), or {cause.replace('lower ', '')}"
+            why = (f"step {step}: the run diverged: {skips} steps in a row (to step {at}) were skipped for inf/NaN "
+                   f"gradients, more than the loss scale ({self.recipe.loss_scaling}, {scale:g}) can explain "
+                   f"({self.allowance(scale)}); {cause}")
+        elif flags[2]:
+            why = f"step {step}: the run diverged: the weights of this step give a loss of {probe_loss}; {cause}"
+        else:
+            return
+        raise RunError(f"{why}; stopping without writing a snapshot, {note}")
+
+
+@torch.no_grad()
+def probe_loss(model, batch):
+    """The loss of the current weights on a fixed batch, in eval mode (no dropout, no FP8 amax
+    recorded, no random stream drawn: a run with a probe trains exactly as one without)."""
+    model.eval()
+    loss = model(*batch)[1].item()
+    model.train()
+    return loss
+
+
+def snapshot_note(path, saved_step, resumed_step):
+    """Where the last good snapshot is, in words, for the line a stopped run ends with."""
+    if saved_step is not None:
+        return f"the last snapshot is {path} (step {saved_step})"
+    if resumed_step is not None:
+        return f"the last snapshot is {path} (step {resumed_step}, resumed from, untouched)"
+    return f"this run wrote no snapshot ({path} is as it was)" if Path(path).exists() else "no snapshot was written"
+
+
+# ---------------------------------------------------------------- Ctrl-C and SIGTERM
+
+class Interrupted(BaseException):
+    """Ctrl-C or SIGTERM, raised where the program is. A BaseException, as KeyboardInterrupt is:
+    no `except Exception` swallows it, and every `finally` on the way out runs (a snapshot being
+    written is abandoned and its temporary file removed). train.run prints it as one line and
+    exits with 128 + the signal's number (130, 143)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum, self.where = signum, ""
+
+    def line(self):
+        name = "Ctrl-C (SIGINT)" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
+        return f"stopped by {name}" + (f" at {self.where}" if self.where else "")
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+@contextmanager
+def signals_handled(handler=_raise_interrupted):
+    """Inside, SIGINT and SIGTERM call `handler` (by default: raise Interrupted); the previous
+    handlers come back after. handler=signal.SIG_DFL: the signal ends the process at once, for
+    a wait in C that no Python handler can interrupt (init_process_group's rendezvous: torchrun's
+    SIGTERM would otherwise wait there until its 30 s kill) or a rank with nothing to unwind."""
+    previous = {s: signal.signal(s, handler) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# ---------------------------------------------------------------- one run per out_dir
+
+@contextmanager
+def out_dir_lock(folder):
+    """Hold out_dir for a run's whole life: an exclusive flock on out_dir/.memtrain.lock, which
+    the OS releases when the process ends however it ends (kill -9 leaves no stale lock). A second
+    run on the same out_dir is refused in one line. On the way out the lock file is removed, and
+    any folder made for it, if still empty, so a refused or failed start leaves nothing behind."""
+    folder = Path(folder)
+    made = [p for p in [folder, *folder.parents] if not p.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = _acquire(folder / LOCK, folder)
+    except BaseException:
+        _remove_folders(made)
+        raise
+    try:
+        yield
+    finally:
+        try:  # removed while still held: a run that opened it meanwhile sees the name is gone (_acquire)
+            (folder / LOCK).unlink()
+        except OSError:
+            pass
+        os.close(fd)
+        _remove_folders(made)
+
+
+def _acquire(path, folder):
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise UsageError(f"--out_dir={folder} cannot be written: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise UsageError(f"--out_dir={folder}: cannot lock {path}: {e.strerror or e}") from None
+            raise UsageError(f"--out_dir={folder} is in use by another run (pid {holder or '?'}): one run per "
+                             f"out_dir, so neither overwrites the other's snapshot; wait for it or choose another "
+                             f"--out_dir") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)  # its holder removed it as we opened it: lock the file now under that name
+
+
+def _remove_folders(made):
+    for p in made:  # deepest first
+        try:
+            p.rmdir()
+        except OSError:
+            pass

@@ -1,0 +1,95 @@
+"""What every rank checks before a run is built: the input, out_dir (and its lock), the snapshot, K.
+
+Chapter: none; it is why bad input costs nothing. Read first: `preflight` (called by
+train.train on every rank before any process group exists, so a refusal is one line on
+each rank and no rank waits for another), then `resolve_accum`.
+"""
+from pathlib import Path
+
+import accumulate
+import checkpoint
+from guards import clean_end as guard
+from ledger import run as ledger_run
+import precision
+import snapshot
+from guards import snapshot_fields
+from config import UsageError
+from data import host_memory_available, load_tokens, split_tokens
+
+# K micro-step gradients, each 1/K of the step's, add up in FP32 at best (a 24-bit significand):
+# past 2^24 micro-steps each one is below half an FP32 ulp of the sum and adds nothing
+MAX_ACCUM = 2 ** 24
+MEMORY_HISTORY = "memory_snapshot.pickle"  # --memory_snapshot's file in out_dir
+
+
+def preflight(cfg, device, rank, held):
+    """Everything bad input can trip on, on every rank, before anything heavy is built, any
+    process group exists or anything is written; rank 0 then holds out_dir (its lock goes into
+    the ExitStack `held`). Returns (the snapshot to resume from or None, train tokens, val tokens)."""
+    if cfg.memory_snapshot and device.type != "cuda":
+        raise UsageError("--memory_snapshot records the CUDA allocator's history: it needs a CUDA device")
+    ledger_run.check_fits(cfg, device)
+    try:
+        precision.recipe(cfg).check_device(device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if rank == 0:  # the writer of snapshots: its folder must take them
+        snapshot.check_writable(cfg.out_dir, "--out_dir")
+    else:  # rank 0 probes the same folder now: look without making anything
+        snapshot.check_reachable(cfg.out_dir, "--out_dir")
+    tokens = split_tokens(load_tokens(cfg.data), cfg.block_size)
+    if rank == 0:  # no other run may write there from now on: the snapshot read next is the one continued
+        held.enter_context(guard.out_dir_lock(cfg.out_dir))
+    snap, path = None, Path(cfg.out_dir) / snapshot.FILE
+    if cfg.resume:
+        snap = snapshot.read(path)
+        check_saved_policy(snap, path)
+        snapshot_fields.check_same_model(snap, cfg, precision.recipe(cfg).fp8 is not None, path)
+        hysteresis = precision.recipe(snapshot_fields.saved_config(snap)).hysteresis  # the scaler it was saved by
+        if (left := snap["scaler"]["overflows_left"]) > hysteresis:
+            raise UsageError(f"snapshot {path} is not usable: the loss scaler tolerates {left} more overflows, "
+                             f"its config's hysteresis only {hysteresis}")
+    if rank == 0:  # what a killed run of ours left in out_dir goes
+        snapshot.remove_stale_temps(cfg.out_dir, (snapshot.FILE, snapshot.PROBE, MEMORY_HISTORY))
+    return snap, *tokens
+
+
+def scaler_asked_anew(cfg, snap):
+    """True when this run's loss scaling (--loss_scale, --loss_scale_hysteresis) differs from the
+    snapshot's: the run's own scaler then starts fresh, as asked, instead of the saved one."""
+    mine, saved = precision.recipe(cfg), precision.recipe(snapshot_fields.saved_config(snap))
+    return (mine.loss_scaling, mine.static_scale, mine.hysteresis) != \
+        (saved.loss_scaling, saved.static_scale, saved.hysteresis)
+
+
+def resolve_accum(cfg, world_size):
+    """K, from --accum or --total_batch_tokens; refused where an optimizer step cannot finish."""
+    accum, source = cfg.accum, f"accum={cfg.accum}"
+    if cfg.total_batch_tokens:
+        try:
+            accum = accumulate.accum_from_total_tokens(cfg.total_batch_tokens, cfg.batch_size, world_size,
+                                                       cfg.block_size)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        source = f"total_batch_tokens={cfg.total_batch_tokens} is accum={accum}"
+    if accum > MAX_ACCUM:
+        raise UsageError(f"{source} micro-steps per optimizer step: past 2^24 = {MAX_ACCUM:,} a micro-step's "
+                         f"gradient (1/K of the sum) is below half an FP32 ulp of the sum and adds nothing; "
+                         f"use a larger --batch_size or fewer tokens per step")
+    # held per optimizer step: accumulate.loss_weights' two lists (16 bytes a micro-step) and, for
+    # loss_norm=tokens, every micro-batch (x and y, int64) at once; otherwise they are drawn as used
+    held = accum * (16 + (16 * cfg.batch_size * cfg.block_size + 600 if cfg.loss_norm == "tokens" else 0))
+    if held > host_memory_available() // 2:
+        raise UsageError(f"{source} micro-steps per optimizer step hold {held / 2**30:.1f} GiB at once, more than "
+                         f"half the {host_memory_available() / 2**30:.1f} GiB of memory available"
+                         + ("; loss_norm=mean draws micro-batches as used" if cfg.loss_norm == "tokens" else ""))
+    return accum
+
+
+def check_saved_policy(snap, path):
+    """The saved config's recompute policy, by the command line's own rules (checkpoint.policy):
+    snapshot.read checks the rest of it through config.validate, which does not know the policies."""
+    try:
+        checkpoint.policy(snapshot_fields.saved_config(snap))
+    except UsageError as e:
+        raise UsageError(f"snapshot {path} is not usable: its config: {e}") from None

@@ -1,0 +1,153 @@
+"""Every field of a snapshot checked before any of it is used, by the command line's own rules.
+
+Chapter: none; snapshot.py reads a file, this says whether what it read is a snapshot a run
+can continue. Read first: `validate` (called by snapshot.read on everything that loaded),
+then `check_same_model` and `check_adamw_fits` (what needs this run's config or model).
+
+A snapshot is loaded with weights_only=True, so it cannot run code, but it can still carry
+any value: a string where AdamW's betas go, a negative step count, a moment of another
+shape, a config with n_head=0. Each is refused here in one line (UsageError, exit 2),
+never met later as a traceback mid-run.
+"""
+import dataclasses
+import math
+
+import torch
+
+from config import FP32_MAX, Config, UsageError, validate as validate_config
+
+# the keys that must agree between a snapshot and the run that resumes from (or samples) it
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "precision")
+FP8_SHAPE_KEYS = ("fp8_backend", "fp8_amax_history")  # the FP8 state (TE's or our amax history) has a shape
+SCALER_KEYS = ("loss_scale", "clean_steps", "overflows_left", "skipped_steps")  # precision.LossScaler.state_dict
+
+
+def validate(state, path):
+    """Raise UsageError, with a one-line reason, unless every field of a loaded file is what a
+    snapshot holds: the types, the ranges the command line has (the saved config goes through
+    config.validate), finite numbers. What needs the live model (shapes) `restore` checks."""
+    def need(ok, why):
+        if not ok:
+            raise UsageError(f"snapshot {path} is not usable: {why}")
+    need(isinstance(state, dict), f"it holds a {type(state).__name__}, not a dict")
+    kinds = dict(model=dict, optimizer=dict, scaler=dict, rng=list, step=int, config=dict)
+    for name, kind in kinds.items():
+        need(name in state, f"it has no '{name}'")
+        need(isinstance(state[name], kind) and not isinstance(state[name], bool),
+             f"'{name}' is a {type(state[name]).__name__}, not a {kind.__name__}")
+    need(state["step"] >= 0, f"step={state['step']} is negative")
+    cfg = _check_config(state["config"], need)
+    for name, t in state["model"].items():
+        need(torch.is_tensor(t) or name.endswith("_extra_state"), f"model entry {name} is not a tensor")
+        need(not torch.is_tensor(t) or not t.is_floating_point() or bool(torch.isfinite(t).all()),
+             f"model entry {name} holds inf or NaN")
+    masters = state["optimizer"].get("master_params")
+    need(isinstance(masters, list) and all(torch.is_tensor(m) and m.dtype == torch.float32 for m in masters),
+         "no list of FP32 master_params")
+    need(all(bool(torch.isfinite(m).all()) for m in masters), "a master weight holds inf or NaN")
+    _check_adamw(state["optimizer"].get("adamw"), cfg, state["step"], need)
+    scaler = state["scaler"]
+    need(sorted(scaler) == sorted(SCALER_KEYS),
+         f"the loss scaler's state has {sorted(scaler)}, not {list(SCALER_KEYS)}")
+    need(_number(scaler["loss_scale"]) and 1 / FP32_MAX <= scaler["loss_scale"] <= FP32_MAX,
+         f"the loss scale {scaler['loss_scale']!r} is not a positive number within FP32's range")
+    for name in SCALER_KEYS[1:]:
+        need(type(scaler[name]) is int and scaler[name] >= 0, f"the loss scaler's {name}={scaler[name]!r} is not "
+                                                              f"a count")
+    size = torch.get_rng_state().numel()  # a CPU generator's state, the batch stream's too
+    def generator_state(t):
+        return torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1
+    need(state["rng"] and all(isinstance(r, dict) and {"cpu", "batch"} <= set(r) <= {"cpu", "batch", "cuda"}
+                              and all(generator_state(t) for t in r.values())
+                              and r["cpu"].numel() == r["batch"].numel() == size for r in state["rng"]),
+         "its random streams are not generator states")
+
+
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_config(saved, need):
+    """The saved config as a Config, checked by the command line's own rules."""
+    need(all(k in saved for k in SHAPE_KEYS), "its config lacks the model's shape")
+    kinds = {f.name: f.type for f in dataclasses.fields(Config)}
+    for name, value in saved.items():
+        kind = kinds.get(name)
+        fits = kind is not None and isinstance(value, (int, float) if kind is float else kind) and \
+            (kind is bool or not isinstance(value, bool))
+        what = getattr(kind, "__name__", "no such key")
+        need(fits, f"config entry {name}={value!r} is not Config's {name} ({what})")
+    try:
+        return validate_config(Config(**saved))
+    except UsageError as e:
+        need(False, f"its config: {e}")
+
+
+def _check_adamw(adamw, cfg, step, need):
+    """AdamW's state_dict: its groups carry the config's betas, its moments are finite, its step counts
+    are whole numbers no larger than the snapshot's step (a skipped step does not count)."""
+    need(isinstance(adamw, dict) and isinstance(adamw.get("state"), dict)
+         and isinstance(adamw.get("param_groups"), list), "no AdamW state")
+    ids = []
+    for i, group in enumerate(adamw["param_groups"]):
+        need(isinstance(group, dict) and isinstance(group.get("params"), list)
+             and all(type(p) is int for p in group["params"]), f"AdamW group {i} has no list of parameter ids")
+        ids += group["params"]
+        betas = group.get("betas")
+        need(isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_number(b) for b in betas)
+             and tuple(betas) == (cfg.beta1, cfg.beta2),
+             f"AdamW group {i} has betas={betas!r}, its config beta1, beta2 = {cfg.beta1}, {cfg.beta2}")
+        for name in ("lr", "eps", "weight_decay"):
+            need(_number(group.get(name)) and group[name] >= 0, f"AdamW group {i} has {name}={group.get(name)!r}")
+    need(len(set(ids)) == len(ids), "AdamW's groups share a parameter id")
+    for pid, entry in adamw["state"].items():
+        need(pid in ids and isinstance(entry, dict) and sorted(entry) == ["exp_avg", "exp_avg_sq", "step"],
+             f"AdamW state {pid!r} is not a parameter's step, exp_avg and exp_avg_sq")
+        count = entry["step"]
+        count = count.item() if torch.is_tensor(count) and count.numel() == 1 and count.is_floating_point() else count
+        need(_number(count) and count == int(count) and 0 <= count <= step,
+             f"AdamW state {pid}: step={entry['step']!r} is not a whole number in [0, {step}]")
+        for name in ("exp_avg", "exp_avg_sq"):
+            t = entry[name]
+            need(torch.is_tensor(t) and t.is_floating_point() and bool(torch.isfinite(t).all()),
+                 f"AdamW state {pid}: {name} is not a finite float tensor")
+        need(bool((entry["exp_avg_sq"] >= 0).all()), f"AdamW state {pid}: exp_avg_sq is negative")
+
+
+def saved_config(state):
+    """The Config a (validated) snapshot was written with."""
+    return Config(**state["config"])
+
+
+def check_same_model(state, cfg, fp8, path):
+    """Raise UsageError unless the snapshot was written by a model of cfg's shape (fp8: with FP8
+    state), and on the same learning-rate schedule."""
+    keys = SHAPE_KEYS + (FP8_SHAPE_KEYS if fp8 else ())
+    shape = {k: getattr(cfg, k) for k in keys}
+    saved = {k: state["config"].get(k) for k in keys}
+    if saved != shape:
+        diff = ", ".join(f"{k}={saved[k]} (now {shape[k]})" for k in keys if saved[k] != shape[k])
+        raise UsageError(f"--resume: snapshot {path} is from a different model: {diff}")
+    # lr_decay_iters=0 means "decay until max_iters": a resume with another max_iters would
+    # silently move the end of the cosine; ask for it by name instead
+    then = state["config"].get("lr_decay_iters") or state["config"].get("max_iters")
+    if not cfg.lr_decay_iters and then != cfg.max_iters:
+        raise UsageError(f"--resume: the snapshot's learning rate decays until step {then}, this run's until "
+                         f"max_iters={cfg.max_iters}; pass --lr_decay_iters={then} to keep the schedule "
+                         f"(or another value to change it)")
+
+
+def check_adamw_fits(saved, adamw):
+    """Raise UsageError unless the saved AdamW state has this optimizer's groups and its moments
+    the shapes of the parameters they belong to (AdamW itself checks neither before a step)."""
+    live = adamw.param_groups
+    sizes, own = [len(g["params"]) for g in saved["param_groups"]], [len(g["params"]) for g in live]
+    if sizes != own:
+        raise UsageError(f"--resume: the snapshot's AdamW groups hold {sizes} parameters, this run's {own}")
+    for group, own in zip(saved["param_groups"], live):
+        for pid, param in zip(group["params"], own["params"]):
+            entry = saved["state"].get(pid, {})
+            for name in ("exp_avg", "exp_avg_sq"):
+                if name in entry and tuple(entry[name].shape) != tuple(param.shape):
+                    raise UsageError(f"--resume: the snapshot's AdamW {name} of parameter {pid} has shape "
+                                     f"{tuple(entry[name].shape)}, the parameter {tuple(param.shape)}")
