@@ -171,20 +171,20 @@ class _Held:
 class LiveTensors(TorchDispatchMode):
     """Counts the bytes of distinct live storages on one device, op by op, like CUDA's
     memory_allocated: every op's outputs are registered by storage, and storages whose last
-    tensor has died are dropped (checked through weak references before each count)."""
+    tensor has died are dropped (checked through weak references after each op)."""
 
     def __init__(self, device):
         super().__init__()
         self.device = torch.device(device)
         self.live = {}  # storage id -> (weak ref, bytes)
-        self.now = self.peak = 0
+        self.now = self.peak = 0  # now: the bytes in `live`, kept as a running sum
         self.phase = self.peak_phase = "start"
 
     def adopt(self, tensors):
         """Start counting storages made before the tracker was switched on."""
         for t in tensors:
             self._add(t)
-        self._count()
+        self.read()
 
     def _add(self, t):
         if not isinstance(t, torch.Tensor) or t.device.type != self.device.type or t.is_meta:
@@ -194,29 +194,36 @@ class LiveTensors(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):
             return
         ref = StorageWeakRef(st)
-        old = self.live.get(ref.cdata)
-        if old is None or old[0].expired():
+        if ref.cdata not in self.live:  # (a dead one was dropped by the _drop_dead before this)
             self.live[ref.cdata] = (ref, st.nbytes())
+            self.now += st.nbytes()
+
+    def _drop_dead(self):
+        # one pass over every live storage per op is this tracker's whole cost: call the
+        # built-in check directly (StorageWeakRef.expired wraps it in two Python calls)
+        expired = torch.UntypedStorage._expired
+        for key in [key for key, (ref, _) in self.live.items() if expired(ref.cdata)]:
+            self.now -= self.live.pop(key)[1]
 
     def _count(self):
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        self.now = sum(n for _, n in self.live.values())
+        """The bytes live now (the storages found dead already dropped), and the peak so far."""
         if self.now > self.peak:
             self.peak, self.peak_phase = self.now, self.phase
         return self.now
 
     def read(self):
+        self._drop_dead()
         return self._count()
 
     def start_phase(self, name):
         self.phase = name
 
     def reset_peak(self):
-        self.peak, self.peak_phase = self._count(), self.phase
+        self.peak, self.peak_phase = self.read(), self.phase
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self._drop_dead()  # what the op's inputs' owners let go of, before its outputs count
         for t in tree_leaves(out):
             self._add(t)
         self._count()

@@ -1,9 +1,20 @@
 """Shared test setup: the repo root on sys.path, the `cuda` marker, a tiny data file."""
+import os
 import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on CI's two cores: one thread each, and the same for the
+    # programs a test starts, since two processes of two threads on two cores slow each other
+    # many times over (and torch reads OMP_NUM_THREADS at import)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -22,6 +22,10 @@ from config import parse_args
 from conftest import merged
 from ddp_worker import CASES, K, STEPS, B, make_batches, rank_slice, record_grads, seed_of, tiny_config
 
+# make test gives this whole file to one xdist worker (--dist loadgroup):
+# its torchrun fixtures run once per module
+pytestmark = pytest.mark.xdist_group("test_accumulate")
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
 WORLD = 2

@@ -6,6 +6,10 @@ import pytest
 
 from tools import chapter
 
+# make test gives this whole file to one xdist worker (--dist loadgroup):
+# the chapter runs once
+pytestmark = pytest.mark.xdist_group("test_chapter")
+
 # claims whose verdict may differ on a CPU, and the reason each must then give
 MAY_DIFFER = {
     "about twice the Tensor Core throughput": "time on CPU",

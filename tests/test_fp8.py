@@ -25,6 +25,10 @@ from config import parse_args
 from conftest import ROOT, merged
 from fp8 import E4M3, E5M2, FP8Linear
 
+# make test gives this whole file to one xdist worker (--dist loadgroup):
+# the BF16 run every FP8 run is compared with is made once
+pytestmark = pytest.mark.xdist_group("test_fp8")
+
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=8", "--warmup_iters=5",
         "--learning_rate=3e-3", "--eval_interval=100000", "--log_interval=100000", "--sample_tokens=0",
         "--ledger=false", "--peak_flops=1"]

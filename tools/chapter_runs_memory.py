@@ -170,12 +170,12 @@ def fit_slope(xs, ys):
     return sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / sum((a - mx) ** 2 for a in xs)
 
 
-def recompute_cost(device, steps):
-    flags = ["--n_layer=4", "--n_embd=128", "--n_head=4", "--block_size=128", "--batch_size=4"]
+def recompute_cost(device, steps, shape):
+    flags = ["--n_layer=4", "--batch_size=4"] + [f"--{k}={v}" for k, v in shape.items()]
     counted = demos.counted_step_flops(flags)
     flops = {p: counted[p] / counted["none"] - 1 for p in ("full", "selective")}
-    secs = {p: step_seconds(tiny(device, precision="bf16", ckpt=p, n_layer=4, n_embd=128, n_head=4, block_size=128,
-                                 batch_size=4), steps) for p in ("none", "full", "selective")}
+    secs = {p: step_seconds(tiny(device, precision="bf16", ckpt=p, n_layer=4, batch_size=4, **shape), steps)
+            for p in ("none", "full", "selective")}
     times = {p: secs[p] / secs["none"] - 1 for p in ("full", "selective")}
     near = abs(times["full"] - flops["full"]) < 0.1
     return Claim("3", "Cost: about 33% more forward compute", f"counted FLOPs full +{100 * flops['full']:.1f}%, "
