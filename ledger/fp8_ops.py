@@ -115,7 +115,7 @@ def _e5m2_backward(g, op, M, n_in, n_out, region):
     """_FP8LinearFunction.backward with grad="e5m2" (TE's HYBRID): the output gradient's scale
     (4 bytes) and E5M2 copy (through FP32); the kept copy's column-major twin, made at the
     layer's first backward and kept; dx = g8 @ W8; dW = g8^T @ x8 in FP8 (two column-major
-    copies) when the token count M is a multiple of 16, else both dequantized. Returns dx and
+    copies) when the token count M is a multiple of 16, else in FP32 values. Returns dx and
     what the backward holds until it returns (g8 and its scale)."""
     z, w = g.sizes, n_in * n_out
     g_scale = g.new(op + " backward: g scale", op + " g scale", 4)
@@ -132,9 +132,25 @@ def _e5m2_backward(g, op, M, n_in, n_out, region):
         scaled_mm(g, op + " backward dW", M * n_out, M * n_in,
                   lambda where: g.param_grad(where, op + ".weight", n_out * n_in * z.e), False)
         del g8t, x8c
-    else:
-        g16 = dequantize(g, op + " backward:", " g", M * n_out)
-        x16 = dequantize(g, op + " backward:", " x", M * n_in)
+    else:  # fp8_gemm.scaled_mm_any_shape: both operands' values in FP32, one FP32 mm, alpha, one rounding
+        inverse = g.alloc(op + " backward dW: 1/scales", ("1/scales", 8))
+        g32 = values32(g, op + " backward dW:", " g", M * n_out)
+        x32 = values32(g, op + " backward dW:", " x", M * n_in)
+        dw32 = g.new(op + " backward dW: mm (fp32)", op + " dW fp32", 4 * w)
+        del g32, x32
+        alpha = g.new(op + " backward dW: alpha", "alpha", 4)
+        del alpha  # mul_ scales the FP32 sum in place
         g.param_grad(op + " backward: dW", op + ".weight", n_out * n_in * z.e)
-        del g16, x16
+        del dw32, inverse
     return dx, (g8, g_scale)
+
+
+def values32(g, where, name, count):
+    """fp8_gemm.fp8_values(q, float32): CUDA q.float(); CPU the cached FP32 table (no copy: .to()
+    of an FP32 tensor is itself) indexed by int32 codes, which go once looked up."""
+    if g.sizes.cuda:
+        return g.new(where + name + ": .float()", "values", 4 * count)
+    codes = g.new(where + name + ": int32 codes", "codes", 4 * count)
+    values = g.new(where + name + ": index_select", "values", 4 * count)
+    del codes
+    return values
