@@ -11,8 +11,8 @@ What FP8 adds to a step (accumulate.accumulation_step):
            releases it before AdamW; HYBRID (fp8_grad=e5m2) adds a column-major twin at the
            layer's first backward. A recompute's re-run reuses the copy: it quantizes x only.
            (Transformer Engine's cached copy is state, not kept: memory_ledger counts it.)
-  saved    x in E4M3 and the scales storage (whose second half is the kept copy's scale, in
-           the forward that made the copy: when backward lets go of it, it stays as kept).
+  saved    x in E4M3 and the scales storage; in the forward that made the copy that storage
+           is the copy's (its second half is the copy's scale): kept, so not an activation.
   in flight x * scale in FP32 (4 bytes per element) on its way to E4M3; on CPU every FP8
            GEMM operand looked up as BF16 through int32 codes (fp8_gemm._look_up).
 """
@@ -30,7 +30,8 @@ def linear(g, name, x, n_in, n_out, region):
         g.declare("buffer", name + " amax and scales", 4 * (3 * z.fp8_history + 9))
     amax = g.new(name + " amax", name + " amax", 8)
     scales = g.new(name + " scales", name + " FP8 scales", 8)
-    if z.fp8 == "native" and g.prefix + name not in g.kept:
+    makes_copy = z.fp8 == "native" and g.prefix + name not in g.kept
+    if makes_copy:
         w32 = g.new(name + " W * scale (fp32)", name + " W fp32", 4 * w)
         w8 = g.new(name + " W to e4m3 (kept)", name + " E4M3 weight (kept)", w)
         del w32
@@ -41,8 +42,10 @@ def linear(g, name, x, n_in, n_out, region):
     del x32
     out = scaled_mm(g, name + " forward", M * n_in, w, lambda where: g.new(where, name + " output", M * n_out * z.e,
                                                                             region=region), z.bias)
-    g.record(name, [x], [out], _backward, saved=[(x8, name + " input"), (scales, name + " FP8 scales")], n_in=n_in,
-             n_out=n_out)
+    # the scales are saved too, but where this forward made the copy they are the copy's, kept for the
+    # step: fp8_kept's bytes, not an activation (ledger/measure.py counts them once, there)
+    saved = [(x8, name + " input")] + ([] if makes_copy else [(scales, name + " FP8 scales")])
+    g.record(name, [x], [out], _backward, saved=saved, n_in=n_in, n_out=n_out)
     return out
 
 
