@@ -23,6 +23,7 @@ matched. Every row of the table this project runs is measured on this machine, t
 one included (on CPU its GEMM is backends/fp8_gemm.py's BF16 stand-in: about BF16's speed). Exit
 status 0 when every check passed, 1 when one missed, 2 for bad input.
 """
+import json
 import math
 import sys
 import time
@@ -239,12 +240,17 @@ def program(argv):
         raise UsageError(str(e)) from None
     picture = report.svg(table, f"memory per GPU by technique: L={cfg.n_layer} h={cfg.n_embd} "
                                 f"s={cfg.block_size} b={cfg.batch_size}")
+    rows, ok = compare(cfg, meas)
+    # the comparison for programs (tools/gpu_check.py's summary): the rows and the allocator's line
+    figures = json.dumps(dict(device=cfg.device, ok=ok, allocator=allocator_line(cfg, meas).strip(),
+                              rows=[dict(component=k, predicted=p, measured=m, ok=good, rule=rule)
+                                    for k, p, m, _, good, rule in rows]), indent=1)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         write_atomically(path, lambda fh: fh.write(picture.encode()))
+        write_atomically(path.with_suffix(".json"), lambda fh: fh.write(figures.encode()))
     except OSError as e:
         raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
-    rows, ok = compare(cfg, meas)
     print(format_comparison(cfg, rows, meas))
     print("\nactivations, term by term (bytes after forward):")
     for term in ml.activation_terms(cfg):
@@ -254,7 +260,7 @@ def program(argv):
     print(report.format_table(table))
     text, same = what_if_text(opts)
     print("\n" + text)
-    print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")
+    print(f"\nwrote {path} and {path.with_suffix('.json').name} ({time.perf_counter() - started:.1f} s)")
     if not (ok and same):
         print("ledger: some check missed", file=sys.stderr)
     return 0 if ok and same else 1
