@@ -1,5 +1,6 @@
 """The memory ledger: every formula against measured bytes, exact on CPU; MemTracker as a second counter;
 what the ledger says when the model changes and its description does not."""
+import contextlib
 import itertools
 from dataclasses import replace
 
@@ -463,17 +464,43 @@ def test_cuda_dropout_saves_a_one_byte_mask():
     assert ml.sizes(Config(device="cuda", precision="bf16")).mask_bytes == 1
 
 
+def sdpa_statistics_bytes(dtype, backend=None, b=2, a=4, s=40, d=32):
+    """Bytes of the FP32 storages sdpa saves beside q, k, v and its output (its softmax statistics),
+    under `backend` (torch.nn.attention.SDPBackend, pinned with sdpa_kernel) or torch's own choice."""
+    from torch.nn.attention import sdpa_kernel
+    q, k, v = (torch.randn(b, a, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    found = {}
+
+    def pack(t):
+        found[measure.storage_key(t)] = (t.dtype, t.untyped_storage().nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mine = {measure.storage_key(t) for t in (q, k, v, out)}
+    return sum(n for key, (dt, n) in found.items() if key not in mine and dt == torch.float32)
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype,rows", [(torch.float32, 64), (torch.bfloat16, 40)])
-def test_cuda_sdpa_logsumexp_rows(dtype, rows):
-    # memory_ledger._lse_rows: fp32 runs the memory-efficient kernel, which pads the FP32
-    # logsumexp to 32*ceil(s/32) rows; 16-bit runs flash attention, s rows (here s = 40)
-    q, k, v = (torch.randn(2, 4, 40, 32, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-    sdpa = lambda *qkv: torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True)
-    lse = [shape for d, shape in saved_by(sdpa, q, k, v) if d == torch.float32 and len(shape) == 3]
-    assert lse == [(2, 4, rows)]
+@pytest.mark.parametrize("dtype,kernel", [(torch.float32, "EFFICIENT_ATTENTION"), (torch.bfloat16, "FLASH_ATTENTION"),
+                                          (torch.bfloat16, "CUDNN_ATTENTION"), (torch.bfloat16, None)])
+def test_cuda_sdpa_logsumexp_bytes(dtype, kernel):
+    """memory_ledger's sdpa statistics (ops.Sizes.lse_rows), pinned per kernel and compared by bytes, not
+    shapes: the memory-efficient kernel (FP32's) pads its logsumexp to 32*ceil(s/32) rows, flash keeps
+    (b, a, s), cuDNN (torch 2.10+ prefers it on sm90 with a recent cuDNN) its (b, a, s, 1) statistics:
+    the same bytes. None: whichever kernel this torch picks, as the model's F.scaled_dot_product_attention."""
+    from torch.nn.attention import SDPBackend
+    backend = getattr(SDPBackend, kernel, None) if kernel else None
+    if kernel and backend is None:
+        pytest.skip(f"torch {torch.__version__} has no SDPBackend.{kernel}")
+    try:
+        got = sdpa_statistics_bytes(dtype, backend)
+    except RuntimeError as e:  # sdpa_kernel: "No available kernel" where this GPU or build lacks it
+        pytest.skip(f"{kernel} does not run here: {str(e).splitlines()[0][:120]}")
     cfg = Config(device="cuda", block_size=40, precision="fp32" if dtype == torch.float32 else "bf16")
-    assert ml.sizes(cfg).lse_rows == rows
+    rows = ml.sizes(cfg).lse_rows
+    assert got == 2 * 4 * rows * 4, f"{kernel or 'the default kernel'} keeps {got:,} bytes of FP32 statistics; " \
+                                    f"the ledger predicts {2 * 4 * rows * 4:,} ({rows} rows of b=2 x a=4 x 4 bytes)"
 
 
 @pytest.mark.cuda
