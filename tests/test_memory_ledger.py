@@ -511,3 +511,4 @@ def test_cuda_train_time_ledger_line_keeps_peak_stats(tmp_path):
     train.train(cfg, log=lines.append)
     line = next(line for line in lines if line.startswith("memory after step 1"))
     assert "vs allocated" in line and "vs max allocated" in line
+    assert "cuBLAS workspaces" in line and "main thread" in line and "autograd thread" in line, line
