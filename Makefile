@@ -71,13 +71,13 @@ help: $(DEPS)  ## this list; CKPT's choices are read from checkpoint.POLICIES
 	@echo "make test       the test suite (CPU; CUDA tests skip without a GPU)"
 	@echo "make bench      tokens/s, ms/step, MFU and peak memory per precision and ckpt policy -> out/bench.jsonl"
 	@echo "make sample     print a sample from out/snapshot.pt"
-	@echo "make ddp        torchrun --nproc_per_node=NPROC train.py (gloo on CPU, NCCL on GPU)"
+	@echo "make ddp        torchrun --nproc_per_node=NPROC train.py (gloo on CPU, NCCL on GPU: NPROC = GPUs to use, default 2)"
 	@echo "make ledger     the memory ledger: predicted vs measured bytes per component, the techniques table"
 	@echo "make chapter    every claim of the chapter measured here -> out/chapter/report.md (ARGS=--quick: short)"
 	@echo "make dtypes     the dtype table from torch.finfo"
 	@echo "make underflow  the share of FP16 gradients lost without loss scaling"
 	@echo "make flops      each recompute policy's step FLOPs, counted by FlopCounterMode"
-	@echo "make gpu-check  CUDA tests, the ledger and the benchmark on a GPU (a message without one)"
+	@echo "make gpu-check  on a GPU: CUDA tests, ledger, benchmark (the fast config too), every step run -> out/gpu-check/summary.md"
 	@echo "variables: any config key in capitals (python train.py --help lists them), NPROC, PYTHON, ARGS='--key=value ...'"
 	@$(PY) -c 'import checkpoint; print("CKPT= recompute policies (one class each in checkpoint.py):"); \
 		[print(f"  {name:10} {policy.help}") for name, policy in checkpoint.POLICIES.items()]'
@@ -120,10 +120,7 @@ flops: $(DEPS)
 	$(PY) tools/demos.py flops $(FLAGS)
 
 gpu-check: $(DEPS)
-	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-		$(PY) -m pytest -q -m cuda tests && $(PY) tools/ledger.py --device=cuda $(FLAGS) \
-		&& $(PY) tools/bench.py --device=cuda --sections=precision,ckpt,memory,fp8wide $(FLAGS); \
-	else echo "gpu-check: no CUDA device here; nothing to check (the CPU suite is 'make test')"; fi
+	@$(PY) tools/gpu_check.py $(FLAGS)
 
 clean:
 	rm -rf out __pycache__ tests/__pycache__ tools/__pycache__ .pytest_cache

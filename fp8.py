@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from backends.fp8_gemm import E4M3, E5M2, column_major, dequantize, fp8_matmul_error, fp8_max, scaled_mm  # noqa: F401
+from backends.fp8_gemm import (E4M3, E5M2, column_major, dequantize, fp8_matmul_error, fp8_max,  # noqa: F401
+                               scaled_mm, scaled_mm_any_shape)
 
 
 @dataclass(frozen=True)
@@ -186,8 +187,8 @@ class _FP8LinearFunction(torch.autograd.Function):
                 if g.shape[0] % 16 == 0:  # here the token count is the inner dimension
                     grad_w = scaled_mm(g_fp8.t().contiguous(), column_major(x_fp8), g_scale.reciprocal(),
                                        x_scale.reciprocal(), None, dtype)
-                else:
-                    grad_w = dequantize(g_fp8, g_scale, dtype).t() @ dequantize(x_fp8, x_scale, dtype)
+                else:  # the same GEMM accumulated in FP32 and rounded once (fp8_gemm.scaled_mm_any_shape)
+                    grad_w = scaled_mm_any_shape(g_fp8.t(), x_fp8, g_scale.reciprocal(), x_scale.reciprocal(), dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0, dtype=torch.float32).to(dtype)  # summed in FP32, without an FP32 copy of g
         return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_b, None, None, None
@@ -228,7 +229,8 @@ class FP8Linear(nn.Module):
         is quantized (refresh, fresh), its FP32 product (4*out*in) and, fresh only, its E4M3 copy;
       transient in backward (grad="bf16"): x dequantized to BF16 (M*in*2 bytes) for wgrad;
         grad="e5m2" instead: E5M2 copies of the output gradient (M*out bytes, and a
-        transposed one) and a column-major copy of x_fp8.
+        transposed one) and a column-major copy of x_fp8; where M is not a multiple of 16,
+        both operands as FP32 values (4 bytes per element) and the FP32 weight gradient.
 
     Dimensions: in and out features divisible by 16 (an FP8 GEMM rule), else ValueError at
     build. Only the Linears are FP8 (embeddings, LayerNorms, attention core, head stay BF16).

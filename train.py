@@ -34,7 +34,8 @@ from config import RunError, UsageError
 from data import Batches
 from guards import clean_end as guard
 from guards import snapshot_fields
-from guards.preflight import MEMORY_HISTORY, check_saved_policy, preflight, resolve_accum, scaler_asked_anew
+from guards.preflight import (MEMORY_HISTORY, check_saved_policy, preflight, resolve_accum, scaler_asked_anew,
+                              torch_floor_error)
 from ledger import run as ledger_run
 from model import GPT
 
@@ -42,6 +43,9 @@ def pick_device(cfg, local_rank=0):
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise UsageError("--device=cuda but no CUDA device is available")
+        if local_rank >= (gpus := torch.cuda.device_count()):  # one rank per GPU: cuda:1 of one GPU is a traceback
+            raise UsageError(f"LOCAL_RANK={local_rank}, but this machine has {gpus} CUDA device(s): start at most "
+                             f"{gpus} process(es) per node (make ddp NPROC={gpus}, torchrun --nproc_per_node={gpus})")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -272,7 +276,10 @@ def run(program, argv):
     """Every program's main: program(argv) -> exit status. Bad input is one line and status 2;
     a run that cannot go on, one line and status 1; Ctrl-C and SIGTERM, one line (the step
     reached, where the last snapshot is) and 130 or 143. Both signals unwind (guard.Interrupted),
-    so a file being written atomically is finished or abandoned, never left half-written."""
+    so a file being written atomically is finished or abandoned, never left half-written.
+    A torch older than this code supports is refused first, in the same one line."""
+    if why := torch_floor_error():
+        return say(f"error: {why}", 2)
     try:
         with guard.signals_handled():
             return program(argv) or 0

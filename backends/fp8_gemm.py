@@ -107,6 +107,17 @@ def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, fast_
     return out.to(out_dtype)
 
 
+def scaled_mm_any_shape(a, b, scale_a, scale_b, out_dtype=torch.bfloat16):
+    """scaled_mm's product for the shapes CUDA's _scaled_mm refuses (HYBRID's weight gradient where
+    the token count, its K, is not a multiple of 16): the FP8 values exactly in FP32 (2-4 significant
+    bits: a product of two is exact in FP32, and in TF32 too), one FP32 matmul, the scales applied to
+    the FP32 sum as _scaled_mm applies its alpha, one rounding to out_dtype. No layout rules.
+    (Dequantizing each operand to BF16 first would round every element before the sum is rounded
+    again: tests/test_fp8.py holds this one to an FP64 product rounded once.)"""
+    out = torch.mm(fp8_values(a, torch.float32), fp8_values(b, torch.float32))
+    return out.mul_(scale_a * scale_b).to(out_dtype)
+
+
 def fp8_matmul_error(device):
     """None where the FP8 matmul runs on `device`, else why not (torch without float8 dtypes,
     GPUs before sm89): one tiny E4M3 matmul tells."""

@@ -33,14 +33,36 @@ import torch
 IS_FIRST_MICROBATCH = {"fresh": None, "refresh": True, "reuse": False}
 
 
+INSTALL = "pip install --no-build-isolation 'transformer_engine[pytorch]'"
+
+
 def _te():
+    """TE's torch module and its recipes, or ValueError in one line: not installed, or installed but
+    broken. A TE built against another torch fails at import in its own ways: loading its shared
+    libraries (transformer_engine/common/__init__.py: load_framework_extension, _load_cuda_library)
+    raises OSError from ctypes (an undefined symbol, a missing libcudnn), ImportError from the
+    extension module, RuntimeError ("shared object not found"), FileNotFoundError, or an
+    AssertionError on mismatched package versions; transformer_engine/pytorch/__init__.py asserts
+    its minimum torch."""
     try:
         import transformer_engine.pytorch as te
         from transformer_engine.common import recipe as te_recipe
-    except ImportError:
-        raise ValueError("fp8_backend=te needs Transformer Engine (pip install --no-build-isolation "
-                         "'transformer_engine[pytorch]', on a CUDA machine); use --fp8_backend=native") from None
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "transformer_engine":
+            raise ValueError(_broken(e)) from None
+        raise ValueError(f"fp8_backend=te needs Transformer Engine ({INSTALL}, on a CUDA machine); use "
+                         f"--fp8_backend=native") from None
+    except (ImportError, OSError, RuntimeError, AssertionError) as e:
+        raise ValueError(_broken(e)) from None
     return te, te_recipe
+
+
+def _broken(e):
+    cause = " ".join(str(e).split())
+    cause = cause if len(cause) <= 160 else cause[:157] + "..."
+    return (f"fp8_backend=te: Transformer Engine is installed but does not import ({type(e).__name__}: "
+            f"{cause or 'no message'}); a TE built against another torch than this one ({torch.__version__}) "
+            f"fails so: reinstall it here ({INSTALL}) or use --fp8_backend=native")
 
 
 def fp8_support(te):

@@ -4,7 +4,10 @@ Chapter: none; it is why bad input costs nothing. Read first: `preflight` (calle
 train.train on every rank before any process group exists, so a refusal is one line on
 each rank and no rank waits for another), then `resolve_accum`.
 """
+import re
 from pathlib import Path
+
+import torch
 
 import accumulate
 import checkpoint
@@ -20,6 +23,22 @@ from data import host_memory_available, load_tokens, split_tokens
 # past 2^24 micro-steps each one is below half an FP32 ulp of the sum and adds nothing
 MAX_ACCUM = 2 ** 24
 MEMORY_HISTORY = "memory_snapshot.pickle"  # --memory_snapshot's file in out_dir
+# the lowest torch this code runs on: checkpoint.py asks torch.is_autocast_enabled(device_type) and
+# torch.get_autocast_dtype(device_type), both new in 2.4 (torch/amp/autocast_mode.py); the rest it
+# calls is older (float8 dtypes and torch._scaled_mm 2.1, whose tuple return before 2.5
+# backends/fp8_gemm.py unpacks; nn.LayerNorm's bias= 2.1). The suite was run on 2.11 to 2.14 (README).
+TORCH_FLOOR = (2, 4)
+
+
+def torch_floor_error(version=None):
+    """Why this torch is older than TORCH_FLOOR, or None; train.run asks it before anything else."""
+    version = version or torch.__version__
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or tuple(map(int, found.groups())) >= TORCH_FLOOR:
+        return None
+    return (f"torch {version} is older than this code supports: it needs torch >= "
+            f"{'.'.join(map(str, TORCH_FLOOR))} (torch.get_autocast_dtype(device_type)); "
+            f"the tested range is in the README")
 
 
 def preflight(cfg, device, rank, held):

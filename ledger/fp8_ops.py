@@ -11,8 +11,8 @@ What FP8 adds to a step (accumulate.accumulation_step):
            releases it before AdamW; HYBRID (fp8_grad=e5m2) adds a column-major twin at the
            layer's first backward. A recompute's re-run reuses the copy: it quantizes x only.
            (Transformer Engine's cached copy is state, not kept: memory_ledger counts it.)
-  saved    x in E4M3 and the scales storage (whose second half is the kept copy's scale, in
-           the forward that made the copy: when backward lets go of it, it stays as kept).
+  saved    x in E4M3 and the scales storage; in the forward that made the copy that storage
+           is the copy's (its second half is the copy's scale): kept, so not an activation.
   in flight x * scale in FP32 (4 bytes per element) on its way to E4M3; on CPU every FP8
            GEMM operand looked up as BF16 through int32 codes (fp8_gemm._look_up).
 """
@@ -30,7 +30,8 @@ def linear(g, name, x, n_in, n_out, region):
         g.declare("buffer", name + " amax and scales", 4 * (3 * z.fp8_history + 9))
     amax = g.new(name + " amax", name + " amax", 8)
     scales = g.new(name + " scales", name + " FP8 scales", 8)
-    if z.fp8 == "native" and g.prefix + name not in g.kept:
+    makes_copy = z.fp8 == "native" and g.prefix + name not in g.kept
+    if makes_copy:
         w32 = g.new(name + " W * scale (fp32)", name + " W fp32", 4 * w)
         w8 = g.new(name + " W to e4m3 (kept)", name + " E4M3 weight (kept)", w)
         del w32
@@ -41,8 +42,10 @@ def linear(g, name, x, n_in, n_out, region):
     del x32
     out = scaled_mm(g, name + " forward", M * n_in, w, lambda where: g.new(where, name + " output", M * n_out * z.e,
                                                                             region=region), z.bias)
-    g.record(name, [x], [out], _backward, saved=[(x8, name + " input"), (scales, name + " FP8 scales")], n_in=n_in,
-             n_out=n_out)
+    # the scales are saved too, but where this forward made the copy they are the copy's, kept for the
+    # step: fp8_kept's bytes, not an activation (ledger/measure.py counts them once, there)
+    saved = [(x8, name + " input")] + ([] if makes_copy else [(scales, name + " FP8 scales")])
+    g.record(name, [x], [out], _backward, saved=saved, n_in=n_in, n_out=n_out)
     return out
 
 
@@ -115,7 +118,7 @@ def _e5m2_backward(g, op, M, n_in, n_out, region):
     """_FP8LinearFunction.backward with grad="e5m2" (TE's HYBRID): the output gradient's scale
     (4 bytes) and E5M2 copy (through FP32); the kept copy's column-major twin, made at the
     layer's first backward and kept; dx = g8 @ W8; dW = g8^T @ x8 in FP8 (two column-major
-    copies) when the token count M is a multiple of 16, else both dequantized. Returns dx and
+    copies) when the token count M is a multiple of 16, else in FP32 values. Returns dx and
     what the backward holds until it returns (g8 and its scale)."""
     z, w = g.sizes, n_in * n_out
     g_scale = g.new(op + " backward: g scale", op + " g scale", 4)
@@ -132,9 +135,25 @@ def _e5m2_backward(g, op, M, n_in, n_out, region):
         scaled_mm(g, op + " backward dW", M * n_out, M * n_in,
                   lambda where: g.param_grad(where, op + ".weight", n_out * n_in * z.e), False)
         del g8t, x8c
-    else:
-        g16 = dequantize(g, op + " backward:", " g", M * n_out)
-        x16 = dequantize(g, op + " backward:", " x", M * n_in)
+    else:  # fp8_gemm.scaled_mm_any_shape: both operands' values in FP32, one FP32 mm, alpha, one rounding
+        inverse = g.alloc(op + " backward dW: 1/scales", ("1/scales", 8))
+        g32 = values32(g, op + " backward dW:", " g", M * n_out)
+        x32 = values32(g, op + " backward dW:", " x", M * n_in)
+        dw32 = g.new(op + " backward dW: mm (fp32)", op + " dW fp32", 4 * w)
+        del g32, x32
+        alpha = g.new(op + " backward dW: alpha", "alpha", 4)
+        del alpha  # mul_ scales the FP32 sum in place
         g.param_grad(op + " backward: dW", op + ".weight", n_out * n_in * z.e)
-        del g16, x16
+        del dw32, inverse
     return dx, (g8, g_scale)
+
+
+def values32(g, where, name, count):
+    """fp8_gemm.fp8_values(q, float32): CUDA q.float(); CPU the cached FP32 table (no copy: .to()
+    of an FP32 tensor is itself) indexed by int32 codes, which go once looked up."""
+    if g.sizes.cuda:
+        return g.new(where + name + ": .float()", "values", 4 * count)
+    codes = g.new(where + name + ": int32 codes", "codes", 4 * count)
+    values = g.new(where + name + ": index_select", "values", 4 * count)
+    del codes
+    return values

@@ -7,8 +7,12 @@ for backward, and who kept it: the module running, the autograd node), then `Liv
 accumulate.accumulation_step itself and reads memory at each of its phases. Where the
 measured saved tensors and the description disagree, ledger/explain.py says which.
 
-On CPU both counters are exact: they see every storage by identity. On CUDA the caching
-allocator's own counters stand in for LiveTensors (see CudaAllocator for where they differ).
+Every component is counted from storages on every device, the activations too (what
+SavedBytes saw, less the kept FP8 weight copies, which are their own component): exact on
+CPU and CUDA alike. The live bytes op by op are LiveTensors on CPU (exact: every storage by
+identity) and the caching allocator's own counters on CUDA (CudaAllocator), whose growth over
+the forward is reported beside the activations with the slack its block sizes allow
+(`allocator_bounds`).
 """
 import weakref
 from dataclasses import dataclass
@@ -235,13 +239,10 @@ class CudaAllocator:
     with reset_peak_memory_stats, so max_memory_allocated is that phase's peak. (It resets
     the process's peak statistics: the tools run it in their own process, never a training run.)
 
-    Why its readings are not exact, so the CUDA ledger keeps a tolerance for them (and for
-    them only; storage sizes are exact on CUDA too): memory_allocated counts allocator blocks,
-    not tensors. Every request is rounded up to a multiple of 512 bytes (c10/cuda/
-    CUDACachingAllocator.cpp, round_size: kMinBlockSize = 512), so a 4-byte loss costs 512; a
-    request over 1 MiB may be served by a cached block up to 1 MiB larger, which is not split
-    and counts whole; and kernels allocate their own scratch through it (cuBLAS workspaces,
-    the attention kernels' accumulators) that no formula here counts."""
+    Why its readings are not storage sizes (the ledger's components are, on CUDA too; only
+    this figure gets a slack, `allocator_bounds`): memory_allocated counts allocator blocks,
+    not tensors, and kernels allocate their own scratch through it (cuBLAS workspaces, the
+    attention kernels' accumulators), which is gone by the end of an op."""
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -276,6 +277,28 @@ class CudaAllocator:
 
     def __exit__(self, *exc):
         return False
+
+
+# c10/cuda/CUDACachingAllocator.cpp: round_size rounds every request up to a multiple of
+# kMinBlockSize (512 bytes); requests up to kSmallSize (1 MiB) come from the small pool, whose
+# blocks are split whenever 512 bytes or more would remain (should_split), so they count exactly
+# the rounded size; a larger request may be served by a cached large-pool block that is split
+# only where more than kSmallSize would remain: up to 1 MiB more, counted whole (malloc adds
+# block->size to allocated_bytes)
+MIN_BLOCK, SMALL_SIZE = 512, 2 ** 20
+
+
+def allocator_bounds(sizes):
+    """(least, most) bytes CUDA's memory_allocated counts for live storages of these byte sizes."""
+    blocks = [MIN_BLOCK * max(1, -(-n // MIN_BLOCK)) for n in sizes if n > 0]
+    return sum(blocks), sum(blocks) + SMALL_SIZE * sum(b > SMALL_SIZE for b in blocks)
+
+
+def kept_copy_storages(fp8_layers):
+    """{storage key: bytes} of the FP8 weight copies the layers keep now (fp8.WeightCopy)."""
+    copies = [m.weight_copy for m in fp8_layers if getattr(m, "weight_copy", None) is not None]
+    return {storage_key(t): t.untyped_storage().nbytes() for c in copies
+            for t in (c.data, c.column_major, c.scale, c.amax) if t is not None}
 
 
 def random_batch(cfg, device, b=None):
@@ -315,10 +338,15 @@ def measure(model, parts, batch, device):
     done, plus the FP32 buffers with fp32_grad_accum), so they can match the formulas to the
     byte; so are rng_states, host tensors found in the autograd graph after the forward, and
     fp8_kept, the FP8Linears' kept weight copies (fp8.WeightCopy) just before the optimizer step.
-    activations: saved-tensor storages on CPU, the allocator's growth over the forward on
-    CUDA. Storages of parameters, buffers and the batch never count as activations.
-    saved_tensors: {storage: SavedTensor} of everything the forward saved, on any device: what
+    activations: the storages the forward saved for backward (SavedBytes), on every device;
+    storages of parameters, buffers and the batch never count, nor the kept FP8 weight copies:
+    a forward that makes one saves its scale too, and it is fp8_kept's (counted once).
+    saved_tensors: {storage: SavedTensor} of those activations, on any device: what
     ledger/explain.py holds against the description.
+    forward_growth: the tracker's growth over the forward (LiveTensors on CPU, the allocator on
+    CUDA); forward_storages: the byte sizes of the storages the forward left alive (the
+    activations, the kept copies, the loss), which on CPU add up to forward_growth exactly and
+    on CUDA bound it (allocator_bounds).
     """
     device = torch.device(device)
     opt = parts.optimizer
@@ -338,10 +366,15 @@ def measure(model, parts, batch, device):
     def observe(name):
         phase[name] = tracker.read()
         if name == "backward":
-            out["saved"] = saved.total  # what the forward saved, before any recompute re-run
-            out["saved_tensors"] = dict(saved.found)  # and who saved each storage, for ledger/explain.py
+            # what the forward saved, before any recompute re-run, less the kept FP8 copies it made
+            kept = kept_copy_storages(parts.fp8_layers)
+            activations = {k: v for k, v in saved.found.items() if k not in kept}
+            out["saved"] = saved.total - sum(v.nbytes for k, v in saved.found.items() if k in kept)
+            out["saved_tensors"] = activations  # and who saved each storage, for ledger/explain.py
             saving_nodes(losses[-1], out["saved_tensors"])
             out["rng_states"] = rng_state_bytes(losses[-1])
+            out["forward_storages"] = [v.nbytes for v in activations.values()] + list(kept.values()) \
+                + [losses[-1].untyped_storage().nbytes()]
         if name == "gradients":
             out["gradients"] = storage_bytes([p.grad for p in params] + (parts.grad_buffers or []), device)
         if name == "step":  # the FP8 weight copies kept for this step, just before optimizer_step releases them
@@ -361,8 +394,7 @@ def measure(model, parts, batch, device):
         hook.remove()
         module_path.remove()
     out["phase"] = dict(before=before, **phase)
-    # CUDA: the allocator's growth over the forward (the 4-byte loss, its output, rides along in
-    # one 512-byte block: part of the slack CudaAllocator's docstring accounts for)
-    out["activations"] = phase["backward"] - before if cuda else out["saved"]
+    out["activations"] = out["saved"]
+    out["forward_growth"] = phase["backward"] - before
     out["peak"], out["peak_phase"] = tracker.peak, tracker.peak_phase
     return out

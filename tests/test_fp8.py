@@ -240,6 +240,44 @@ def test_fp8_bf16_backward_is_bf16_math_exactly():
     assert torch.equal(layer.weight.grad, g2.t() @ fp8.dequantize(x_fp8, x_scale, torch.bfloat16))
 
 
+def decided_mismatches(got, a, b, scale):
+    """Elements of got (BF16) that differ from the exact product (a @ b) * scale rounded once, counted
+    only where every value within FP32's error of the exact one rounds to the same BF16 number: a
+    sum of K exact products in FP32 is within K * 2^-24 * sum |products| of the exact sum, and alpha
+    and the scaling add a rounding each. Rounding is monotone, so where both ends of that interval
+    round alike, a GEMM accumulated in FP32 and rounded once has no choice. (decided, mismatched)."""
+    exact = (a.double() @ b.double()) * float(scale)
+    slack = (a.double().abs() @ b.double().abs()) * abs(float(scale)) * (a.shape[1] + 3) * 2.0 ** -24 * 1.01
+    low, high = (exact - slack).float().to(torch.bfloat16), (exact + slack).float().to(torch.bfloat16)
+    decided = low == high
+    return int(decided.sum()), int((decided & (got != high)).sum())
+
+
+def test_fp8_hybrid_wgrad_fallback_is_one_fp32_gemm_rounded_once(monkeypatch):
+    """Issue 17, defect 10: at 24 tokens (not a multiple of 16, so CUDA's _scaled_mm refuses the weight
+    gradient's K) HYBRID's weight gradient is the FP8 product accumulated in FP32 and rounded once to
+    BF16: against the exact product (FP64) rounded once it misses no element whose rounding FP32 decides.
+    Dequantizing both operands to BF16 first, then a BF16 matmul (the old fallback), rounds twice and does."""
+    calls, real = [], fp8.scaled_mm_any_shape
+    monkeypatch.setattr(fp8, "scaled_mm_any_shape",
+                        lambda *args: calls.append(args) or real(*args))
+    torch.manual_seed(0)
+    layer = FP8Linear(192, 192, bias=False, recipe="current", grad="e5m2").to(torch.bfloat16)
+    x = torch.randn(1, 24, 192, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).backward(torch.randn(1, 24, 192, dtype=torch.bfloat16))
+    assert len(calls) == 1, "the weight gradient at 24 tokens did not take the fallback"
+    g8t, x8, g_inverse, x_inverse, dtype = calls[0]
+    assert g8t.shape == (192, 24) and g8t.dtype == E5M2 and x8.dtype == E4M3 and dtype == torch.bfloat16
+    scale = g_inverse * x_inverse  # the FP32 alpha, as _scaled_mm forms it
+    decided, missed = decided_mismatches(layer.weight.grad, g8t, x8, scale)
+    assert decided > layer.weight.numel() // 2, f"only {decided} of {layer.weight.numel()} elements decided"
+    assert missed == 0, f"{missed} of {decided} decided weight-gradient elements differ from the FP64 product " \
+                        f"rounded once"
+    twice = fp8.dequantize(g8t.t(), g_inverse.reciprocal(), torch.bfloat16).t() @ \
+        fp8.dequantize(x8, x_inverse.reciprocal(), torch.bfloat16)
+    assert decided_mismatches(twice, g8t, x8, scale)[1] > 0  # the check tells the two apart
+
+
 def test_fp8_saves_one_byte_input_for_backward():
     layer, x = fp8_layer()
     y = layer(x)

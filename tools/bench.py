@@ -1,14 +1,16 @@
 """Benchmarks (not tests): tokens/s, ms/step, MFU and peak memory per precision, per
 recompute policy (and ours against torch.utils.checkpoint on the same units, in paired
-rounds), DDP step time with and without no_sync, and FP8 (native, its HYBRID mode,
-Transformer Engine where installed) against BF16 at widths 2048 and 4096 (fp8wide).
+rounds), DDP step time with and without no_sync, FP8 (native, its HYBRID mode,
+Transformer Engine where installed) against BF16 at widths 2048 and 4096 (fp8wide), and
+the fast configuration a GPU user expects (fast: BF16, the fused attention, a GPT-2-124M-like
+shape), with the peak FLOP/s its MFU divides by named.
 
 Chapter: the "it saves memory *and* speeds up" claims of sections 1-3, measured.
 Read first: `measure_row` (one configuration: the median step after warm-up steps).
 This file exists beside train.py because timing many configurations, each in a
 fresh process so that its peak memory is its own, is a job the trainer does not have.
 
-    python tools/bench.py [train.py flags as the base config] [--sections=precision,ckpt,memory,ddp,fp8wide]
+    python tools/bench.py [train.py flags as the base config] [--sections=precision,ckpt,memory,ddp,fp8wide,fast]
                           [--steps=N] [--warmup=N]
 
 Rows go to the screen as a table and to out_dir/bench.jsonl as one JSON object each.
@@ -42,7 +44,12 @@ from config import UsageError, given, key  # noqa: E402
 from data import Batches, load_tokens, split_tokens  # noqa: E402
 from snapshot import check_writable, write_atomically  # noqa: E402
 
-SECTIONS = ("precision", "ckpt", "memory", "ddp", "fp8wide")
+SECTIONS = ("precision", "ckpt", "memory", "ddp", "fp8wide", "fast")
+# fast: what a GPU is for. ATTN=manual stays the teaching default (it keeps the s x s softmax the
+# chapter is about); on a GPU users expect the fused kernel, BF16 and a GPT-2-124M-like shape (12
+# layers, width 768, context 1024; our byte vocabulary makes it 85M parameters). Eager mode.
+FAST = ["--precision=bf16", "--attn=sdpa", "--n_layer=12", "--n_embd=768", "--n_head=12", "--block_size=1024",
+        "--batch_size=16", "--ckpt=none", "--ckpt_segment=0", "--accum=1", "--total_batch_tokens=0", "--dropout=0"]
 # fp8wide: FP8 pays where the Linears' GEMMs dominate. With FP8_GRAD=bf16 only the forward GEMM,
 # a third of a Linear's FLOPs, is FP8: even at 2x BF16's rate that is at best 1/(2/3 + 1/6) = 1.2x.
 # HYBRID (FP8_GRAD=e5m2, and TE) puts all three GEMMs in FP8: the goal, >= 1.3x BF16's tokens/s
@@ -57,7 +64,7 @@ FP8_ROWS = (("fp8", ["--precision=fp8", "--fp8_backend=native", "--fp8_grad=bf16
 @dataclass
 class BenchOptions:
     sections: str = key("precision,ckpt,memory,ddp", "comma-separated: " + ",".join(SECTIONS)
-                        + " (fp8wide is for GPUs: skipped on CPU)")
+                        + " (fp8wide and fast are for GPUs: skipped on CPU)")
     steps: int = key(9, "timed optimizer steps per row (the median is reported)", at_least=1)
     warmup: int = key(2, "untimed steps before them", at_least=0)
     rounds: int = key(5, "ckpt section: paired rounds of ours against torch.utils.checkpoint", at_least=1)
@@ -118,12 +125,24 @@ def measure_row(flags, steps, warmup, autocast_reference=False, torch_reference=
         memory_ledger.activation_bytes(replace(cfg, device=device.type))  # autocast: not modelled
     return dict(precision="autocast-bf16" if autocast_reference else recipe.name, ckpt=cfg.ckpt,
                 recompute="torch.utils.checkpoint" if torch_reference else "ours",
-                tokens_per_s=tokens_per_s, ms_per_step=1000 * dt,
+                tokens_per_s=tokens_per_s, ms_per_step=1000 * dt, peak_flops=peak,
+                peak_flops_source=peak_source(cfg, recipe, device, peak),
                 mfu=flops.utilization(tokens_per_s, model.flops_per_token(), peak),
                 hfu=flops.utilization(tokens_per_s, model.flops_per_token() + extra, peak),
                 peak_mem_bytes=peak_mem, activation_bytes=activations, device=str(device),
                 config=dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
                             batch_size=cfg.batch_size, accum=accum, attn=cfg.attn))
+
+
+def peak_source(cfg, recipe, device, peak):
+    """Where the peak FLOP/s MFU divides by comes from, in words (flops.peak_flops decides it)."""
+    if cfg.peak_flops > 0:
+        return "--peak_flops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return f"{name}, dense {recipe.name} (flops.CUDA_PEAK_TFLOPS)" if peak else \
+            f"none: {name} is not in flops.CUDA_PEAK_TFLOPS (give --peak_flops)"
+    return f"measured: this CPU's {recipe.param_dtype} addmm (flops.peak_flops)"
 
 
 def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False, torch_reference=False):
@@ -222,6 +241,13 @@ def run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_
                 row = add("fp8wide", wide + flags, label=f"{name} w{width}")
                 row["speedup_vs_bf16"] = row["tokens_per_s"] / bf16["tokens_per_s"]
                 say(f"{'':9} {name} / bf16 tokens/s at width {width} = {row['speedup_vs_bf16']:.2f}x", flush=True)
+    if "fast" in sections and on_cpu:
+        say("fast: skipped, for GPUs (12 layers of width 768 at context 1024 take minutes a step on CPU)")
+    elif "fast" in sections:
+        row = add("fast", FAST, label="bf16 sdpa L12 h768")
+        if not dry:
+            say(f"{'':9} MFU {fmt(row['mfu'], 'pct')} of {fmt(row['peak_flops'], 'tflops')} "
+                f"({row['peak_flops_source']}), eager mode", flush=True)
     if "ddp" in sections and dry:
         planned += [ddp_flags(base, no_sync, steps, cfg.out_dir) for no_sync in ("true", "false")]
     elif "ddp" in sections:
@@ -279,7 +305,8 @@ def te_unavailable(device):
 def fmt(v, kind):
     if v is None:
         return "-"
-    return {"mem": f"{v / 2**20:.0f} MiB", "pct": f"{100 * v:.1f}%", "f1": f"{v:,.1f}"}[kind]
+    return {"mem": f"{v / 2**20:.0f} MiB", "pct": f"{100 * v:.1f}%", "f1": f"{v:,.1f}",
+            "tflops": f"{v / 1e12:,.4g} TFLOP/s"}[kind]
 
 
 def program(argv):
