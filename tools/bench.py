@@ -1,6 +1,6 @@
 """Benchmarks (not tests): tokens/s, ms/step, MFU and peak memory per precision, per
-recompute policy (and ours against torch.utils.checkpoint on the same units, in paired
-rounds), DDP step time with and without no_sync, FP8 (native, its HYBRID mode,
+recompute policy (and ours against torch.utils.checkpoint on the same units, their steps
+in turn in one process: measure_pair), DDP step time with and without no_sync, FP8 (native, its HYBRID mode,
 Transformer Engine where installed) against BF16 at widths 2048 and 4096 (fp8wide), and
 the fast configuration a GPU user expects (fast: BF16, the fused attention, a GPT-2-124M-like
 shape), with the peak FLOP/s its MFU divides by named.
@@ -21,6 +21,7 @@ import json
 import os
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ import flops  # noqa: E402
 import fp8  # noqa: E402
 from backends import fp8_te  # noqa: E402
 import memory_ledger  # noqa: E402
+from ledger import measure  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
 from config import UsageError, given, key  # noqa: E402
@@ -67,7 +69,8 @@ class BenchOptions:
                         + " (fp8wide and fast are for GPUs: skipped on CPU)")
     steps: int = key(9, "timed optimizer steps per row (the median is reported)", at_least=1)
     warmup: int = key(2, "untimed steps before them", at_least=0)
-    rounds: int = key(5, "ckpt section: paired rounds of ours against torch.utils.checkpoint", at_least=1)
+    rounds: int = key(9, "ckpt section: paired steps of ours and torch.utils.checkpoint's, in turn in one process",
+                      at_least=1)
 
 
 class AutocastReference:
@@ -81,17 +84,13 @@ class AutocastReference:
         return torch.autocast(self.device_type, dtype=torch.bfloat16)
 
 
-def measure_row(flags, steps, warmup, autocast_reference=False, torch_reference=False):
-    """Build the config's model, run warm-up steps, then time `steps` optimizer steps.
-    torch_reference: the config's recompute policy run by torch.utils.checkpoint instead of ours."""
+def measure_row(flags, steps, warmup, autocast_reference=False):
+    """Build the config's model, run warm-up steps, then time `steps` optimizer steps."""
     cfg = train.parse_args(flags)
     device = train.pick_device(cfg)
     tokens, _ = split_tokens(load_tokens(cfg.data), cfg.block_size)
     model, parts = train.build(cfg, device)
     recipe = parts.recipe
-    if torch_reference:  # the same units, PyTorch's own recompute
-        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts,
-                                recompute_fn=checkpoint.torch_recompute)
     if autocast_reference:
         parts.recipe = AutocastReference(device.type)
     batches = Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
@@ -124,7 +123,6 @@ def measure_row(flags, steps, warmup, autocast_reference=False, torch_reference=
     activations = None if autocast_reference else \
         memory_ledger.activation_bytes(replace(cfg, device=device.type))  # autocast: not modelled
     return dict(precision="autocast-bf16" if autocast_reference else recipe.name, ckpt=cfg.ckpt,
-                recompute="torch.utils.checkpoint" if torch_reference else "ours",
                 tokens_per_s=tokens_per_s, ms_per_step=1000 * dt, peak_flops=peak,
                 peak_flops_source=peak_source(cfg, recipe, device, peak),
                 mfu=flops.utilization(tokens_per_s, model.flops_per_token(), peak),
@@ -132,6 +130,64 @@ def measure_row(flags, steps, warmup, autocast_reference=False, torch_reference=
                 peak_mem_bytes=peak_mem, activation_bytes=activations, device=str(device),
                 config=dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
                             batch_size=cfg.batch_size, accum=accum, attn=cfg.attn))
+
+
+def measure_pair(flags, pairs, warmup):
+    """Our recompute against torch.utils.checkpoint (non-reentrant) on the same units, in one
+    process: two models built alike (train.build seeds them), their steps taken in turn on the
+    same batches, each first in every other pair, so that this machine's drift falls on both;
+    the time ratio is the median of the pairs' ratios. Then one more step of each for its peak
+    (step_peak: the bytes the step adds at its highest, beyond the states and the batch)."""
+    cfg = train.parse_args(flags)
+    device = train.pick_device(cfg)
+    tokens, _ = split_tokens(load_tokens(cfg.data), cfg.block_size)
+    runs = {}
+    for who, recompute_fn in (("ours", checkpoint.recompute), ("torch", checkpoint.torch_recompute)):
+        model, parts = train.build(cfg, device)
+        checkpoint.apply_policy(model, checkpoint.policy(cfg), parts.recipe.recompute_contexts,
+                                recompute_fn=recompute_fn)
+        runs[who] = model, parts
+    batches = Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
+    accum = train.resolve_accum(cfg, 1)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = dict(ours=[], torch=[])
+    for i in range(warmup + pairs):
+        micro = [batches.next() for _ in range(accum)]
+        for who in ("ours", "torch") if i % 2 == 0 else ("torch", "ours"):
+            model, parts = runs[who]
+            sync()
+            t0 = time.perf_counter()
+            accumulate.accumulation_step(model, parts, micro, cfg.loss_norm, cfg.no_sync)
+            sync()
+            times[who].append(time.perf_counter() - t0)
+    ratios = [ours / theirs for ours, theirs in zip(times["ours"][warmup:], times["torch"][warmup:])]
+    # without dropout the two runs are the same computation: their gradients are bit-identical
+    # (tests/test_checkpoint.py), so are the weights after the same steps (dropout draws each
+    # run's masks from one generator in turn: then they differ)
+    same = cfg.dropout == 0 and all(torch.equal(a, b) for a, b in zip(runs["ours"][0].parameters(),
+                                                                      runs["torch"][0].parameters()))
+    peaks = {who: step_peak(model, parts, micro, cfg, device) for who, (model, parts) in runs.items()}
+    return dict(section="ckpt ref", precision=runs["ours"][1].recipe.name, ckpt=cfg.ckpt, pairs=pairs,
+                time_ours_vs_torch=statistics.median(ratios), time_ratios=ratios,
+                ms_per_step_ours=1000 * statistics.median(times["ours"][warmup:]),
+                ms_per_step_torch=1000 * statistics.median(times["torch"][warmup:]),
+                peak_ours=peaks["ours"], peak_torch=peaks["torch"], same_weights=same, dropout=cfg.dropout,
+                device=str(device))
+
+
+def step_peak(model, parts, micro, cfg, device):
+    """Bytes live at the step's peak, over those before it: every storage op by op on CPU
+    (ledger/measure.py's LiveTensors), the caching allocator's high-water mark on CUDA."""
+    opt = parts.optimizer
+    before = list(model.parameters()) + list(model.buffers()) + opt.master_params + opt.state_tensors() \
+        + (parts.grad_buffers or []) + [t for batch in micro for t in batch]
+    tracker = measure.CudaAllocator(device) if device.type == "cuda" else measure.LiveTensors(device)
+    with tracker:
+        tracker.adopt(before)
+        tracker.reset_peak()
+        start = tracker.read()
+        accumulate.accumulation_step(model, parts, micro, cfg.loss_norm, cfg.no_sync)
+    return tracker.peak - start
 
 
 def peak_source(cfg, recipe, device, peak):
@@ -145,10 +201,11 @@ def peak_source(cfg, recipe, device, peak):
     return f"measured: this CPU's {recipe.param_dtype} addmm (flops.peak_flops)"
 
 
-def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False, torch_reference=False):
-    """Each row in a fresh process: CPU peak RSS is a per-process high-water mark."""
+def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False, pair=False):
+    """Each row in a fresh process: CPU peak RSS is a per-process high-water mark.
+    pair: measure_pair's row (steps: its pairs) instead of measure_row's."""
     job = json.dumps(dict(flags=flags, steps=steps, warmup=warmup, autocast_reference=autocast_reference,
-                          torch_reference=torch_reference))
+                          pair=pair))
     r = subprocess.run([sys.executable, __file__, "--row", job], capture_output=True, text=True, cwd=HERE)
     if r.returncode == 2:  # bad input, already one line
         raise UsageError(r.stderr.strip().splitlines()[-1].removeprefix("error: "))
@@ -171,10 +228,10 @@ def run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_
         if dry:  # a stand-in row, so that the comparisons below can run
             return dict(tokens_per_s=1.0, ms_per_step=1.0, peak_mem_bytes=0)
         row = run_row_in_subprocess(flags, kw.get("steps", steps), kw.get("warmup", warmup),
-                                    kw.get("autocast_reference", False), kw.get("torch_reference", False))
+                                    kw.get("autocast_reference", False), kw.get("pair", False))
         row["section"], row["label"] = section, label or row["precision"]
         rows.append(row)
-        if kw.get("quiet"):
+        if kw.get("pair"):
             return row
         say(f"{section:9} {row['label']:17} {row['ckpt']:9} {fmt(row['tokens_per_s'], 'f1'):>12} tok/s "
               f"{fmt(row['ms_per_step'], 'f1'):>10} ms/step  MFU {fmt(row['mfu'], 'pct'):>6}  "
@@ -205,21 +262,15 @@ def run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_
             say(f"{'':9} {'':17} {policy:9} time x{row['time_vs_none']:.2f} of none")
         for policy in ("full", "sqrt", "selective"):  # ours against PyTorch's own, on the same units
             flags = prec + [f"--ckpt={policy}", "--attn=manual"] + ([] if policy == "sqrt" else ["--ckpt_segment=0"])
-            ratios, peaks = [], dict(ours=[], torch=[])
-            for r in range(rounds):  # interleaved, each first in turn: this CPU's drift falls on both
-                pair = {}
-                for who in (("ours", "torch") if r % 2 == 0 else ("torch", "ours")):
-                    pair[who] = add("ckpt ref", flags, label=f"{policy} {who}", torch_reference=who == "torch",
-                                    quiet=True)
-                    peaks[who].append(pair[who]["peak_mem_bytes"])
-                ratios.append(pair["ours"]["ms_per_step"] / pair["torch"]["ms_per_step"])
+            row = add("ckpt ref", flags, label=f"{policy} ours/torch", pair=True, steps=rounds)
             if not dry:
-                ratio = sorted(ratios)[len(ratios) // 2]
-                rows.append(dict(section="ckpt ref", ckpt=policy, rounds=rounds, time_ours_vs_torch=ratio,
-                                 time_ratios=ratios, peak_ours=max(peaks["ours"]), peak_torch=max(peaks["torch"])))
-                say(f"{'ckpt ref':9} {policy:9} ours / torch.utils.checkpoint: time x{ratio:.3f} (median of {rounds} "
-                    f"paired rounds, {min(ratios):.3f}-{max(ratios):.3f}), peak {fmt(max(peaks['ours']), 'mem')} vs "
-                    f"{fmt(max(peaks['torch']), 'mem')}", flush=True)
+                ratios = row["time_ratios"]
+                say(f"{'ckpt ref':9} {policy:9} ours / torch.utils.checkpoint: time x{row['time_ours_vs_torch']:.3f} "
+                    f"(median of {rounds} paired steps, {min(ratios):.3f}-{max(ratios):.3f}; "
+                    f"{fmt(row['ms_per_step_ours'], 'f1')} vs {fmt(row['ms_per_step_torch'], 'f1')} ms), peak "
+                    f"{row['peak_ours']:,} vs {row['peak_torch']:,} bytes (live, op by op), same weights after "
+                    f"them: {'yes' if row['same_weights'] else 'not compared (dropout)' if row['dropout'] else 'NO'}",
+                    flush=True)
     if "memory" in sections:
         # a config where activations dominate: long context, bigger micro-batch
         shape = ["--block_size=1024", "--batch_size=16"]
@@ -354,17 +405,17 @@ def row_program(argv):
     """`--row JOB`, run_row_in_subprocess's entry point: one JSON job in, one JSON row out."""
     try:
         job = json.loads(argv[0]) if len(argv) == 1 else None
-        flags, steps, warmup, autocast, torch_ref = (job[k] for k in ("flags", "steps", "warmup",
-                                                                      "autocast_reference", "torch_reference"))
-        ok = all(isinstance(f, str) for f in flags) and isinstance(autocast, bool) and isinstance(torch_ref, bool) \
+        flags, steps, warmup, autocast, pair = (job[k] for k in ("flags", "steps", "warmup", "autocast_reference",
+                                                                 "pair"))
+        ok = all(isinstance(f, str) for f in flags) and isinstance(autocast, bool) and isinstance(pair, bool) \
             and all(type(n) is int and n >= m for n, m in ((steps, 1), (warmup, 0)))
     except (ValueError, TypeError, KeyError):
         ok = False
     if not ok:
         raise UsageError("--row takes one JSON job {\"flags\": [...], \"steps\": n >= 1, \"warmup\": n >= 0, "
-                         "\"autocast_reference\": true|false, \"torch_reference\": true|false} (tools/bench.py "
+                         "\"autocast_reference\": true|false, \"pair\": true|false} (tools/bench.py "
                          "starts it itself; run make bench)")
-    print(json.dumps(measure_row(flags, steps, warmup, autocast, torch_ref)))
+    print(json.dumps(measure_pair(flags, steps, warmup) if pair else measure_row(flags, steps, warmup, autocast)))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def steps(python, flags, out):
     def bench(section, cap_s):
         folder = out / f"bench-{section}"
         argv = [python, "tools/bench.py", *overridden(flags, ["--device=cuda", f"--out_dir={folder}"]),
-                f"--sections={section}", "--rounds=1"]
+                f"--sections={section}"]
         return Step(f"bench {section}", argv, cap_s, lambda: bench_figures(folder / "bench.jsonl"))
     ledger_dir = out / "ledger"
     return [Step("tests", [python, "-m", "pytest", "-q", "-m", "cuda", "tests", "-p", "no:cacheprovider"], 150),
