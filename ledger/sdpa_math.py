@@ -35,15 +35,16 @@ def forward(g, name, q, k, v):
     else:
         temps.append(g.new(name + " math: q * scale", "qs", bsh * 4, region=True))
     tril = g.new(name + " math: causal tril", "tril", z.s * z.s)
-    bias = g.new(name + " math: causal bias", "bias", z.s * z.s * 4)
+    temps.append(g.new(name + " math: causal bias", "bias", z.s * z.s * 4))  # the mask lives to the end
     del tril
+    ks = None
     if not one:
-        temps.append(g.new(name + " math: k * scale", "ks", bsh * 4, region=True))
+        ks = g.new(name + " math: k * scale", "ks", bsh * 4, region=True)
         keep["q"], keep["k"] = g.alloc(name + " QK^T: copies of q, k", (name + " math Q copy (fp32)", bsh * 4),
                                           (name + " math K copy (fp32)", bsh * 4), region=True)
     att = g.new(name + " QK^T", "att", A * 4, region=True)
+    del ks  # a temporary of the QK^T expression: gone when it is done
     att = g.new(name + " + causal bias", "att2", A * 4, region=True)
-    del bias
     keep["P"] = g.new(name + " softmax", name + " math softmax (fp32)", A * 4, region=True)
     del att
     keep["mask"] = g.new(name + " attention dropout noise", name + " math dropout mask (fp32)", A * 4,
