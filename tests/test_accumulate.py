@@ -22,7 +22,8 @@ from config import parse_args
 from conftest import merged
 from ddp_worker import CASES, K, STEPS, B, make_batches, rank_slice, record_grads, seed_of, tiny_config
 
-# make test gives this whole file to one xdist worker (--dist loadgroup):
+# make test gives this whole file to one xdist worker (--dist loadgroup), and its fixtures are
+# session-wide (a worker runs other files' tests in between, which would end a module's):
 # its torchrun fixtures run once per module
 pytestmark = pytest.mark.xdist_group("test_accumulate")
 
@@ -44,7 +45,7 @@ def run_train_py(args, timeout=60):
                           timeout=timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ddp_grads(tmp_path_factory):
     out = tmp_path_factory.mktemp("grads")
     r = torchrun([WORKER, "grads", out])
@@ -260,14 +261,14 @@ TRAIN_ARGS = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--
               "--eval_interval=1000", "--log_interval=1", "--device=cpu"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def data_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "data.txt"
     path.write_bytes(b"".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n".encode() for i in range(2000)))
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ddp_train(tmp_path_factory, data_file):
     """train.py's loop on 2 ranks, bf16, K derived from --total_batch_tokens (4 x 2 x 4 x 16)."""
     out = tmp_path_factory.mktemp("train")

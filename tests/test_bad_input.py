@@ -25,7 +25,7 @@ TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
 ROOT_USER = os.geteuid() == 0  # root reads and writes through any permission bits
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def good_run(tmp_path_factory):
     """An out_dir holding a real snapshot of TINY (the one every bad command must leave alone)."""
     out = tmp_path_factory.mktemp("good")

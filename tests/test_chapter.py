@@ -6,7 +6,8 @@ import pytest
 
 from tools import chapter
 
-# make test gives this whole file to one xdist worker (--dist loadgroup):
+# make test gives this whole file to one xdist worker (--dist loadgroup), and its fixtures are
+# session-wide (a worker runs other files' tests in between, which would end a module's):
 # the chapter runs once
 pytestmark = pytest.mark.xdist_group("test_chapter")
 
@@ -18,7 +19,7 @@ MAY_DIFFER = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def run(tmp_path_factory):
     """`python tools/chapter.py --quick` once, keeping what run_claims returned and what it printed."""
     out, kept, lines = tmp_path_factory.mktemp("chapter"), [], []

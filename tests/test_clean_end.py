@@ -211,6 +211,7 @@ def test_a_second_run_on_the_same_out_dir_is_refused(out_dir, capsys):
 def test_the_lock_lives_as_long_as_the_process_and_no_longer(tmp_path):
     args = merged(*TINY, f"--out_dir={tmp_path}", "--max_iters=100000", "--log_interval=1")
     first = started(*args)
+    first.send_signal(signal.SIGSTOP)  # it keeps its lock, stopped: the core is the other tests'
     try:
         second = train_py(*args)
         ends_in_one_line(second.returncode, second.stderr, 2, f"is in use by another run (pid {first.pid})")

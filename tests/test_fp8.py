@@ -25,7 +25,8 @@ from config import parse_args
 from conftest import ROOT, merged
 from fp8 import E4M3, E5M2, FP8Linear
 
-# make test gives this whole file to one xdist worker (--dist loadgroup):
+# make test gives this whole file to one xdist worker (--dist loadgroup), and its fixtures are
+# session-wide (a worker runs other files' tests in between, which would end a module's):
 # the BF16 run every FP8 run is compared with is made once
 pytestmark = pytest.mark.xdist_group("test_fp8")
 
@@ -45,7 +46,7 @@ def run_losses(tmp_path, *extra):
     return [r["loss"] for r in history], history
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bf16_losses(tmp_path_factory):
     """The BF16 run every FP8 run is compared with (same seed, data, steps)."""
     return run_losses(tmp_path_factory.mktemp("bf16"), "--precision=bf16", f"--max_iters={STEPS}")[0]

@@ -18,7 +18,8 @@ from fp8 import E4M3, E5M2
 from precision import LossScaler, MasterWeightOptimizer
 from tools import demos
 
-# make test gives this whole file to one xdist worker (--dist loadgroup):
+# make test gives this whole file to one xdist worker (--dist loadgroup), and its fixtures are
+# session-wide (a worker runs other files' tests in between, which would end a module's):
 # the BF16 run every low-precision run is compared with is made once
 pytestmark = pytest.mark.xdist_group("test_precision")
 
@@ -39,7 +40,7 @@ def run_losses(tmp_path, *extra):
 STEPS = 30  # enough for the byte-level loss to fall from ~5.5 (ln 256) by more than 1
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bf16_losses(tmp_path_factory):
     """The BF16 run every low-precision run is compared with (same seed, data, steps)."""
     return run_losses(tmp_path_factory.mktemp("bf16"), "--precision=bf16", f"--max_iters={STEPS}")[0]
