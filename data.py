@@ -9,6 +9,7 @@ pread as windows are drawn (`FileTokens`), not memory-mapped: a file that anothe
 truncates mid-run then gives a short read, which the run names in one line, where a mapped
 page past the new end would kill it with SIGBUS.
 """
+import functools
 import hashlib
 import os
 import sysconfig
@@ -23,10 +24,12 @@ from snapshot import remove_stale_temps, write_atomically
 HERE = Path(__file__).resolve().parent
 
 
+@functools.cache  # listed once per process: the walk takes a second or two
 def stdlib_files():
     """This Python's standard library .py files (site-packages excluded), sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts and p.is_file())
+    return tuple(sorted(p for p in root.rglob("*.py")
+                        if "site-packages" not in p.relative_to(root).parts and p.is_file()))
 
 
 def host_memory_available():

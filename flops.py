@@ -4,6 +4,7 @@ Chapter section 3's cost side ("full checkpointing costs about 33% more compute"
 counts the model's FLOPs only (model.GPT.flops_per_token), HFU adds the FLOPs that
 recompute spends again (checkpoint.recompute_flops_per_token). Read first: `utilization`.
 """
+import functools
 import time
 
 import torch
@@ -25,10 +26,16 @@ def peak_flops(cfg, recipe, device):
             if name in words:
                 return table[recipe.name] * 1e12
         return 0.0  # unknown GPU: MFU not shown
-    # CPU: time the kernel the model's Linears run (x @ W^T + b) in the parameter dtype, at
-    # a size past cache effects. fp8's matmuls are measured as bf16, its backward's dtype.
-    # (A square `a @ a` in fp16 takes a far slower path on CPU than addmm does.)
-    dtype = recipe.param_dtype
+    return _cpu_peak(recipe.param_dtype)
+
+
+# once per process and dtype: the machine does not change, and a BF16 timing takes seconds
+# on CPUs without BF16 instructions
+@functools.cache
+def _cpu_peak(dtype):
+    """Time the kernel the model's Linears run (x @ W^T + b) in the parameter dtype, at a size
+    past cache effects. fp8's matmuls are measured as bf16, its backward's dtype. (A square
+    `a @ a` in fp16 takes a far slower path on CPU than addmm does.)"""
     n = 512 if dtype == torch.float16 else 1024  # fp16 matmuls crawl on CPU
     gen = torch.Generator().manual_seed(0)  # leaves the global RNG alone
     x, w, b = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((2048, n), (n, n), (n,)))
