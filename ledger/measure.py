@@ -301,6 +301,12 @@ def kept_copy_storages(fp8_layers):
             for t in (c.data, c.column_major, c.scale, c.amax) if t is not None}
 
 
+def resident(model, parts):
+    """What a step finds alive and leaves alive: parameters, buffers, the master copy, AdamW's states."""
+    opt = parts.optimizer
+    return list(model.parameters()) + list(model.buffers()) + opt.master_params + opt.state_tensors()
+
+
 def random_batch(cfg, device, b=None):
     """A seeded (x, y) of random bytes, b sequences of cfg.block_size, in two storages of their
     own. (Not .contiguous(): for one sequence the shifted slice is contiguous already, so x and
@@ -351,7 +357,7 @@ def measure(model, parts, batch, device):
     device = torch.device(device)
     opt = parts.optimizer
     params, buffers = list(model.parameters()), list(model.buffers())
-    static = params + buffers + opt.master_params + opt.state_tensors()
+    static = resident(model, parts)
     cuda = device.type == "cuda"
     tracker = CudaAllocator(device) if cuda else LiveTensors(device)
     out = dict(parameters=storage_bytes(params, device),

@@ -94,6 +94,39 @@ def test_the_torch_reference_runs_the_policys_units(policy):
     assert_same(theirs, train_step(make_model(policy, dropout=0.2), x, y))
 
 
+def test_the_benchmarks_pair_runs_both_recomputes_alike(monkeypatch):
+    # make bench's ckpt reference (tools/bench.measure_pair): one model runs ours, the other PyTorch's own on
+    # every unit; both save only the units' inputs, end at the same weights, and peak under a step without recompute
+    from tools import bench
+    flags = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2", "--precision=fp32",
+             "--attn=manual", "--data=" + str(memory_ledger.__file__)]
+    cpu = torch.device("cpu")
+    full, none = bench.train.parse_args(flags + ["--ckpt=full"]), bench.train.parse_args(flags)
+    runs = dict(bench.pair_models(full, cpu), none=bench.train.build(none, cpu))
+    calls, real = [], torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    saved = {}
+    for who, (model, _) in runs.items():
+        counter = SavedBytes([*model.parameters(), *model.buffers()])
+        with counter:
+            model(*batch(t=full.block_size))
+        saved[who] = counter.total
+        assert len(calls) == (full.n_layer if who == "torch" else 0), \
+            f"{who}: {len(calls)} torch.utils.checkpoint units, {full.n_layer if who == 'torch' else 0} expected"
+        calls.clear()
+    # torch.utils.checkpoint's own hooks keep a unit's insides from the counter: it sees the units' inputs, as ours
+    assert saved["ours"] == saved["torch"] < saved["none"] / 2, f"bytes saved in forward: {saved}"
+    monkeypatch.undo()
+    row = bench.measure_pair(flags + ["--ckpt=full"], pairs=2, warmup=1)
+    assert row["same_weights"], "ours and torch.utils.checkpoint's runs ended with different weights"
+    assert len(row["time_ratios"]) == 2 and all(r > 0 for r in row["time_ratios"])
+    micro = [tuple(torch.randint(0, 256, (2, 32)) for _ in range(2))]
+    kept_all = bench.step_peak(*runs["none"], micro, none, cpu)
+    for who in ("ours", "torch"):
+        assert 0 < row[f"peak_{who}"] < kept_all, \
+            f"{who}: a step with full recompute peaked at {row[f'peak_{who}']:,} bytes, without it {kept_all:,}"
+
+
 def assert_same(a, b):
     """Loss and every parameter gradient equal, bit for bit."""
     assert torch.equal(a[0], b[0]), f"loss {a[0].item()!r} != {b[0].item()!r}"

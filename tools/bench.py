@@ -95,17 +95,11 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
         parts.recipe = AutocastReference(device.type)
     batches = Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
     accum = train.resolve_accum(cfg, 1)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for i in range(warmup + steps):
         if i == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        micro = [batches.next() for _ in range(accum)]
-        sync()
-        t0 = time.perf_counter()
-        accumulate.accumulation_step(model, parts, micro, cfg.loss_norm, cfg.no_sync)
-        sync()
-        times.append(time.perf_counter() - t0)
+        times.append(timed_step(model, parts, [batches.next() for _ in range(accum)], cfg, device))
     # the median step: a shared 2-core machine adds outliers that a mean would report as speed
     dt = sorted(times[warmup:])[steps // 2]
     tokens_per_s = cfg.batch_size * accum * cfg.block_size / dt
@@ -141,25 +135,14 @@ def measure_pair(flags, pairs, warmup):
     cfg = train.parse_args(flags)
     device = train.pick_device(cfg)
     tokens, _ = split_tokens(load_tokens(cfg.data), cfg.block_size)
-    runs = {}
-    for who, recompute_fn in (("ours", checkpoint.recompute), ("torch", checkpoint.torch_recompute)):
-        model, parts = train.build(cfg, device)
-        checkpoint.apply_policy(model, checkpoint.policy(cfg), parts.recipe.recompute_contexts,
-                                recompute_fn=recompute_fn)
-        runs[who] = model, parts
+    runs = pair_models(cfg, device)
     batches = Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
     accum = train.resolve_accum(cfg, 1)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = dict(ours=[], torch=[])
     for i in range(warmup + pairs):
         micro = [batches.next() for _ in range(accum)]
         for who in ("ours", "torch") if i % 2 == 0 else ("torch", "ours"):
-            model, parts = runs[who]
-            sync()
-            t0 = time.perf_counter()
-            accumulate.accumulation_step(model, parts, micro, cfg.loss_norm, cfg.no_sync)
-            sync()
-            times[who].append(time.perf_counter() - t0)
+            times[who].append(timed_step(*runs[who], micro, cfg, device))
     ratios = [ours / theirs for ours, theirs in zip(times["ours"][warmup:], times["torch"][warmup:])]
     # without dropout the two runs are the same computation: their gradients are bit-identical
     # (tests/test_checkpoint.py), so are the weights after the same steps (dropout draws each
@@ -175,12 +158,30 @@ def measure_pair(flags, pairs, warmup):
                 device=str(device))
 
 
+def pair_models(cfg, device):
+    """{"ours": (model, parts), "torch": ...}: cfg's model built twice (train.build seeds it and
+    applies our recompute), the second with the policy's units given to torch.utils.checkpoint."""
+    runs = dict(ours=train.build(cfg, device), torch=train.build(cfg, device))
+    model, parts = runs["torch"]
+    checkpoint.apply_policy(model, checkpoint.policy(cfg), parts.recipe.recompute_contexts,
+                            recompute_fn=checkpoint.torch_recompute)
+    return runs
+
+
+def timed_step(model, parts, micro, cfg, device):
+    """Seconds of one optimizer step (accumulate.accumulation_step over the micro-batches)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    accumulate.accumulation_step(model, parts, micro, cfg.loss_norm, cfg.no_sync)
+    sync()
+    return time.perf_counter() - t0
+
+
 def step_peak(model, parts, micro, cfg, device):
     """Bytes live at the step's peak, over those before it: every storage op by op on CPU
     (ledger/measure.py's LiveTensors), the caching allocator's high-water mark on CUDA."""
-    opt = parts.optimizer
-    before = list(model.parameters()) + list(model.buffers()) + opt.master_params + opt.state_tensors() \
-        + (parts.grad_buffers or []) + [t for batch in micro for t in batch]
+    before = measure.resident(model, parts) + (parts.grad_buffers or []) + [t for batch in micro for t in batch]
     tracker = measure.CudaAllocator(device) if device.type == "cuda" else measure.LiveTensors(device)
     with tracker:
         tracker.adopt(before)
