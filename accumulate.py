@@ -59,7 +59,7 @@ def fp32_grad_buffers(params):
     return [torch.zeros_like(p, dtype=torch.float32) for p in params if p.requires_grad]
 
 
-def loss_weights(micro_batches, loss_norm, ddp):
+def loss_weights(micro_batches, loss_norm, across_ranks):
     """(weights the micro-step losses are multiplied by, weights of this rank's logged mean loss).
 
     "mean" divides each micro-batch's mean loss by K, right when every micro-batch has the
@@ -76,7 +76,7 @@ def loss_weights(micro_batches, loss_norm, ddp):
     counts = torch.stack([(y != IGNORE_INDEX).sum() for _, y in micro_batches])
     total = counts.sum()  # int64 on the batch's device: NCCL reduces only device tensors
     world = 1
-    if ddp:  # DDP averages over ranks (divides by world), so scale by world / global count
+    if across_ranks:  # DDP (and ZeRO, FSDP) average over ranks (divide by world): scale by world / global count
         dist.all_reduce(total)
         world = dist.get_world_size()
     counts, total = counts.tolist(), total.item()  # one host sync for all of them
@@ -96,7 +96,8 @@ def accumulation_step(model, parts, micro_batches, loss_norm="mean", use_no_sync
     """
     observe = observe or (lambda phase: None)
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    weights, log_weights = loss_weights(micro_batches, loss_norm, ddp)
+    across_ranks = ddp or (dist.is_initialized() and dist.get_world_size() > 1)  # ZeRO and FSDP: no DDP wrapper
+    weights, log_weights = loss_weights(micro_batches, loss_norm, across_ranks)
     buffers = parts.grad_buffers
     total_loss = 0.0
     for i, (x, y) in enumerate(micro_batches):
@@ -126,23 +127,21 @@ def accumulation_step(model, parts, micro_batches, loss_norm="mean", use_no_sync
             # a tensor, not .item(): on a GPU an .item() per micro-step would stall the queue
             total_loss = total_loss + loss.detach().float() * log_weights[i]
     observe("step")
-    stepped, grad_norm = optimizer_step(parts, ddp)
+    stepped, grad_norm = optimizer_step(parts, ddp, across_ranks)
     return float(total_loss), stepped, grad_norm
 
 
-def optimizer_step(parts, ddp=False):
+def optimizer_step(parts, ddp=False, across_ranks=None):
     """After the K micro-steps: the optimizer step, the loss scaler, the FP8 amax, zeroed gradients."""
-    if parts.grad_buffers is not None:
-        if ddp:
-            all_reduce_mean(parts.grad_buffers)
-        grads = parts.grad_buffers
-    else:
-        grads = [p.grad for p in parts.optimizer.model_params]
+    if parts.grad_buffers is not None and ddp:
+        all_reduce_mean(parts.grad_buffers)
     fp8.release_weight_copies(parts.fp8_layers)  # the weights are about to change
-    stepped, grad_norm = parts.optimizer.step(grads, parts.scaler.loss_scale)
+    # the FP32 sums, or None: the parameters' .grad, which the optimizer reads (and zero.py's
+    # ZeRO-2 releases as soon as it has reduce-scattered them: no list here may hold them)
+    stepped, grad_norm = parts.optimizer.step(parts.grad_buffers, parts.scaler.loss_scale)
     parts.scaler.update(found_inf=not stepped)
     # the FP8 amax history moves once per optimizer step, whatever recompute re-ran
-    fp8.fold_amax(parts.fp8_layers, across_ranks=ddp)
+    fp8.fold_amax(parts.fp8_layers, across_ranks=ddp if across_ranks is None else across_ranks)
     parts.optimizer.zero_grad()
     if parts.grad_buffers is not None:
         torch._foreach_zero_(parts.grad_buffers)

@@ -20,6 +20,7 @@ DEVICES = ("auto", "cpu", "cuda")
 FP8_BACKENDS = ("native", "te")
 FP8_RECIPES = ("delayed", "current")
 FP8_GRADS = ("bf16", "e5m2")
+SHARDS = ("none", "zero1", "zero2", "fsdp")  # zero.py, fsdp.py
 
 
 FP32_MAX = 3.4028234663852886e38  # the optimizer and the master weights compute in FP32
@@ -63,6 +64,8 @@ class Config:
     loss_norm: str = key("mean", "loss / K (mean) or weighted by each micro-batch's target tokens", LOSS_NORMS)
     no_sync: bool = key(True, "skip DDP's all-reduce on micro-steps 1..K-1")
     fp32_grad_accum: bool = key(False, "sum micro-step gradients in FP32 buffers (16-bit precisions)")
+    shard: str = key("none", "under torchrun: DDP's whole copies (none), the optimizer states split over the ranks "
+                             "(zero1), and the gradients (zero2), or everything by FSDP2 (fsdp)", SHARDS)
     # optimizer (precision.py's MasterWeightOptimizer)
     max_iters: int = key(500, "optimizer steps to train for", at_least=1)
     learning_rate: float = key(1e-3, "peak learning rate", at_least=0.0)

@@ -216,7 +216,7 @@ class MasterWeightOptimizer:
     and the loss scale to divide out.
     """
 
-    def __init__(self, params, master_weights, lr, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0):
+    def __init__(self, params, master_weights, lr, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, decay=None):
         self.grad_clip = grad_clip
         self.model_params = [p for p in params if p.requires_grad]
         self.master_weights = master_weights
@@ -224,9 +224,11 @@ class MasterWeightOptimizer:
             self.master_params = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
         else:
             self.master_params = self.model_params
-        # weight decay on matrices only (embeddings and Linear weights), as nanoGPT does
-        decay = [m for m in self.master_params if m.dim() >= 2]
-        no_decay = [m for m in self.master_params if m.dim() < 2]
+        # weight decay on matrices only (embeddings and Linear weights), as nanoGPT does; `decay`
+        # says it per parameter where the shape cannot (zero.py steps flat slices of them)
+        decay = [p.dim() >= 2 for p in self.model_params] if decay is None else decay
+        no_decay = [m for m, d in zip(self.master_params, decay) if not d]
+        decay = [m for m, d in zip(self.master_params, decay) if d]
         self.adamw = torch.optim.AdamW([dict(params=decay, weight_decay=weight_decay),
                                         dict(params=no_decay, weight_decay=0.0)], lr=lr, betas=betas, foreach=True)
 
@@ -234,10 +236,13 @@ class MasterWeightOptimizer:
         for g in self.adamw.param_groups:
             g["lr"] = lr
 
-    def step(self, grads, loss_scale=1.0):
+    def step(self, grads=None, loss_scale=1.0):
         """Unscale, check for inf/NaN, clip, step AdamW on the master copy, copy down.
-        grads: one per model parameter (None = no gradient). Returns (stepped, grad_norm);
-        stepped is False when the step was skipped (an inf/NaN gradient)."""
+        grads: one per model parameter (None in it = no gradient), or None: the parameters'
+        .grad. Returns (stepped, grad_norm); stepped is False when the step was skipped (an
+        inf/NaN gradient)."""
+        if grads is None:
+            grads = [p.grad for p in self.model_params]
         # gradients in the dtype of the weights AdamW updates: a 16-bit gradient is cast up to the
         # FP32 master's (a copy); an FP32 one, or one without a master copy, is used as is
         grads = [g.to(m.dtype) if g is not None else torch.zeros_like(m) for g, m in zip(grads, self.master_params)]
@@ -245,7 +250,7 @@ class MasterWeightOptimizer:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
         # one reduction gives both the clipping norm and the overflow check: the norm of
         # all gradients is inf/NaN exactly when some element is (one host sync per step)
-        grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item()
+        grad_norm = self.global_norm(grads).item()
         if not math.isfinite(grad_norm):
             return False, grad_norm
         if self.grad_clip > 0 and grad_norm > self.grad_clip:
@@ -259,6 +264,14 @@ class MasterWeightOptimizer:
                 # which tells fp8.py that an FP8 copy of a weight is stale
                 torch._foreach_copy_(self.model_params, self.master_params)
         return True, grad_norm
+
+    def whole_groups(self):
+        """AdamW's groups over the whole model: what a snapshot's optimizer state must fit."""
+        return self.adamw.param_groups
+
+    def global_norm(self, grads):
+        """The norm of every gradient of the step (zero.py's slices sum theirs over the ranks)."""
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
 
     def zero_grad(self):
         for p in self.model_params + self.master_params:

@@ -161,6 +161,7 @@ def capture(cfg, model, parts, batches, step, device, world_size=1):
     if world_size > 1:
         mine, rngs = rngs[0], [None] * world_size
         dist.all_gather_object(rngs, mine)
+    # a ZeRO optimizer's state is gathered on rank 0 (a collective: every rank calls capture)
     return dict(model=model.state_dict(), optimizer=parts.optimizer.state_dict(), scaler=parts.scaler.state_dict(),
                 rng=rngs, step=step, config=dataclasses.asdict(cfg))
 
@@ -169,12 +170,13 @@ def restore(snap, model, parts, batches, rank, world_size, device, scaler=True):
     """Load a snapshot into this rank's run; returns the step to continue from. The run's own
     AdamW hyperparameters (betas, weight decay: its flags) apply; scaler=False keeps the run's
     fresh loss scaler (a --loss_scale that differs from the snapshot's) instead of the saved one."""
+    opt = parts.optimizer
     masters = snap["optimizer"]["master_params"]
-    expected = parts.optimizer.master_params if parts.optimizer.master_weights else []
+    expected = opt.model_params if opt.master_weights else []  # a master per parameter, its shape
     if [tuple(m.shape) for m in masters] != [tuple(m.shape) for m in expected]:
         raise UsageError(f"--resume: the snapshot holds {len(masters)} master weights, this run has "
                          f"{len(expected)} (or their shapes differ)")
-    check_adamw_fits(snap["optimizer"]["adamw"], parts.optimizer.adamw)
+    check_adamw_fits(snap["optimizer"]["adamw"], opt.whole_groups())  # zero.py's hold a slice, load the whole
     if len(snap["rng"]) != world_size:
         raise UsageError(f"--resume: the snapshot was written by {len(snap['rng'])} ranks, this run has "
                          f"{world_size}: each rank's data stream is in it")

@@ -30,6 +30,7 @@ import flops
 import fp8
 import precision
 import snapshot
+import zero
 from config import RunError, UsageError
 from data import Batches
 from guards import clean_end as guard
@@ -62,9 +63,7 @@ def build(cfg, device=None):
         model = GPT(cfg, linear_factory=recipe.linear_factory())
         model.to(device=device, dtype=recipe.param_dtype)
         checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts)
-        optimizer = precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights,
-                                                    lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                                    betas=(cfg.beta1, cfg.beta2), grad_clip=cfg.grad_clip)
+        optimizer = make_optimizer(cfg, model, recipe)
     except ValueError as e:
         raise UsageError(str(e)) from None
     buffers = accumulate.fp32_grad_buffers(model.parameters()) if cfg.fp32_grad_accum and recipe.master_weights \
@@ -72,6 +71,16 @@ def build(cfg, device=None):
     parts = accumulate.StepParts(recipe=recipe, scaler=recipe.loss_scaler(), optimizer=optimizer,
                                  grad_buffers=buffers, fp8_layers=fp8.layers(model))
     return model, parts
+
+
+def make_optimizer(cfg, model, recipe):
+    """The optimizer SHARD asks for: AdamW on an FP32 master copy of the whole model (none: DDP
+    keeps it on every rank), or of this rank's slice only (zero1, zero2: zero.py)."""
+    adamw = dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
+                 grad_clip=cfg.grad_clip)
+    if cfg.shard in zero.STAGES:
+        return zero.ShardedOptimizer(model.parameters(), recipe.master_weights, zero.STAGES[cfg.shard], **adamw)
+    return precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, **adamw)
 
 
 # ---------------------------------------------------------------- the loop
@@ -161,7 +170,7 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
             saved = snap["scaler"]["loss_scale"]
             log(f"loss scale: this run's ({parts.recipe.loss_scaling}, {parts.scaler.loss_scale:g}) replaces the "
                 f"snapshot's ({saved:g}), as its flags ask")
-    run_model = wrap_ddp(model, device) if world_size > 1 else model
+    run_model = wrap_ddp(model, device) if world_size > 1 and cfg.shard == "none" else model  # ZeRO reduces itself
     seqs, tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
     flops_per_token = model.flops_per_token()
     hw_flops_per_token = flops_per_token + checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg))

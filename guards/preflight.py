@@ -16,6 +16,7 @@ from ledger import run as ledger_run
 import precision
 import snapshot
 from guards import snapshot_fields
+import config
 from config import UsageError
 from data import host_memory_available, load_tokens, split_tokens
 
@@ -45,6 +46,9 @@ def preflight(cfg, device, rank, held):
     """Everything bad input can trip on, on every rank, before anything heavy is built, any
     process group exists or anything is written; rank 0 then holds out_dir (its lock goes into
     the ExitStack `held`). Returns (the snapshot to resume from or None, train tokens, val tokens)."""
+    if cfg.shard != "none" and config.world_size() == 1:
+        raise UsageError(f"--shard={cfg.shard} splits the run's states over its ranks, and this run has one: start "
+                         f"it with torchrun (make ddp NPROC=2 SHARD={cfg.shard})")
     if cfg.memory_snapshot and device.type != "cuda":
         raise UsageError("--memory_snapshot records the CUDA allocator's history: it needs a CUDA device")
     ledger_run.check_fits(cfg, device)

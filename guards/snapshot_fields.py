@@ -137,10 +137,9 @@ def check_same_model(state, cfg, fp8, path):
                          f"(or another value to change it)")
 
 
-def check_adamw_fits(saved, adamw):
-    """Raise UsageError unless the saved AdamW state has this optimizer's groups and its moments
-    the shapes of the parameters they belong to (AdamW itself checks neither before a step)."""
-    live = adamw.param_groups
+def check_adamw_fits(saved, live):
+    """Raise UsageError unless the saved AdamW state has these param groups (a whole-model AdamW's)
+    and its moments the shapes of the parameters they belong to (AdamW checks neither before a step)."""
     sizes, own = [len(g["params"]) for g in saved["param_groups"]], [len(g["params"]) for g in live]
     if sizes != own:
         raise UsageError(f"--resume: the snapshot's AdamW groups hold {sizes} parameters, this run's {own}")

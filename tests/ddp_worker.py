@@ -59,8 +59,9 @@ def record_grads(parts, sink):
     """Wrap the optimizer's step so the gradients it is about to use are copied into sink first."""
     step = parts.optimizer.step
 
-    def recording_step(grads, loss_scale=1.0):
-        sink.append([g.detach().float().clone() for g in grads])
+    def recording_step(grads=None, loss_scale=1.0):
+        seen = grads if grads is not None else [p.grad for p in parts.optimizer.model_params]  # None: the .grad
+        sink.append([g.detach().float().clone() for g in seen])
         return step(grads, loss_scale)
     parts.optimizer.step = recording_step
 

@@ -64,7 +64,8 @@ def loss_over_k(device):
     model, parts = train.build(cfg, device)
     seen = []
     step = parts.optimizer.step
-    parts.optimizer.step = lambda grads, scale=1.0: (seen.append([g.clone() for g in grads]), step(grads, scale))[1]
+    parts.optimizer.step = lambda grads=None, scale=1.0: (  # grads None: the parameters' .grad
+        seen.append([g.clone() for g in grads or [p.grad for p in parts.optimizer.model_params]]), step(grads, scale))[1]
     big, _ = train.build(cfg, device)
     big.load_state_dict(model.state_dict())
     accumulate.accumulation_step(model, parts, micro)
