@@ -207,6 +207,19 @@ class LossScaler:
 
 # ---------------------------------------------------------------- master weights + optimizer
 
+NORM_CHUNK = 1 << 20  # elements: the FP64 copy a norm makes of its input stays 8 MiB
+
+
+def squared_sum(grads):
+    """The sum of the squares of every element of `grads`, in FP64. Why FP64: an FP32 square
+    is exact there, and the sum's rounding (1e-16) stays far below FP32's last bit, so a
+    whole gradient (DDP) and its slices over N ranks (zero.py) give the same FP32 norm, and
+    clipping by it the same weights, bit for bit (summed in FP32 they differ in the last bit,
+    and Adam's steps carry that on). Chunked, so the FP64 copy of the input stays small."""
+    chunks = [c for g in grads for c in g.reshape(-1).split(NORM_CHUNK)]
+    return torch.stack(torch._foreach_norm(chunks, 2, dtype=torch.float64)).square().sum()
+
+
 class MasterWeightOptimizer:
     """AdamW on an FP32 master copy of 16-bit model parameters.
 
@@ -270,8 +283,8 @@ class MasterWeightOptimizer:
         return self.adamw.param_groups
 
     def global_norm(self, grads):
-        """The norm of every gradient of the step (zero.py's slices sum theirs over the ranks)."""
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        """The norm of every gradient of the step, FP32 (zero.py's slices sum squares over the ranks)."""
+        return squared_sum(grads).sqrt().float()
 
     def zero_grad(self):
         for p in self.model_params + self.master_params:

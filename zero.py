@@ -81,8 +81,7 @@ class SliceOptimizer(precision.MasterWeightOptimizer):
     """MasterWeightOptimizer on one rank's slice: its norm is the norm over all ranks' slices."""
 
     def global_norm(self, grads):
-        # squares summed in FP64: a norm near FP32's top (1.8e19 and up) would square to inf
-        squares = torch.stack(torch._foreach_norm(grads)).double().square().sum()
+        squares = precision.squared_sum(grads)  # FP64: the same FP32 norm as DDP's whole gradient gives
         dist.all_reduce(squares)
         return squares.sqrt().float()
 

@@ -1,0 +1,177 @@
+"""ZeRO-1 and ZeRO-2 by hand (zero.py) against DDP, through real torchrun/gloo processes on CPU.
+
+The rank side is tests/zero_worker.py; each torchrun launch runs once per session. What must
+hold: the same parameters as DDP, bit for bit (two ranks: x/2 is exact and a + b = b + a); the
+micro-steps send nothing and the step one reduce-scatter and one all-gather; one overflow
+decision and one clipping norm for all ranks; each rank holding 1/N of the master copy and
+AdamW's states, padding included; snapshots in DDP's format that resume bit-exactly.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero
+from ledger import comm
+from zero_worker import CASES, K, SHAPE, STEPS, key
+
+pytestmark = pytest.mark.xdist_group("test_zero")
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "zero_worker.py"
+WORLD = 2
+SHARDS = ("zero1", "zero2")
+
+
+def torchrun(args, timeout=180):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def launch(tmp_path_factory, mode):
+    out = tmp_path_factory.mktemp(mode)
+    r = torchrun([WORKER, mode, out])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [torch.load(out / f"{mode}-rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="session")
+def cases(tmp_path_factory):
+    return launch(tmp_path_factory, "cases")
+
+
+@pytest.fixture(scope="session")
+def overflow(tmp_path_factory):
+    return launch(tmp_path_factory, "overflow")
+
+
+def case_ids():
+    return [f"{key(c, s)}" for c in CASES for s in SHARDS]
+
+
+@pytest.mark.parametrize("case,shard", [(c, s) for c in CASES for s in SHARDS], ids=case_ids())
+def test_zero_parameters_equal_ddps_bit_for_bit(cases, case, shard):
+    for rank in range(WORLD):
+        ddp, ours = cases[rank][key(case, "none")], cases[rank][key(case, shard)]
+        assert all(s["stepped"] for s in ddp["steps"] + ours["steps"]), "a step was skipped: the case tests nothing"
+        for step, (want, got) in enumerate(zip(ddp["params"], ours["params"])):
+            differ = [i for i, (a, b) in enumerate(zip(want, got)) if not torch.equal(a, b)]
+            worst = max(((a.float() - b.float()).abs().max().item() for a, b in zip(want, got)))
+            assert not differ, (f"rank {rank}, {shard}: after step {step + 1} parameters {differ} differ from "
+                                f"DDP's (largest difference {worst:g}); they must be equal bit for bit")
+        norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(ddp["steps"], ours["steps"])]
+        assert all(a == b for a, b in norms), f"rank {rank}, {shard}: gradient norms (DDP's, ours) {norms} " \
+            f"differ: the clipping norm must be the whole gradient's, to the bit (precision.squared_sum)"
+    if case["grad_clip"]:  # the clipping ran: the norm was above the limit on some step
+        assert any(s["grad_norm"] > case["grad_clip"] for s in cases[0][key(case, shard)]["steps"])
+
+
+def test_the_ranks_hold_one_model(cases):
+    for k in cases[0]:
+        for i, (a, b) in enumerate(zip(cases[0][k]["params"][-1], cases[1][k]["params"][-1])):
+            assert torch.equal(a, b), f"{k}: parameter {i} differs between rank 0 and rank 1 after the all-gather"
+
+
+@pytest.mark.parametrize("shard", SHARDS)
+def test_micro_steps_send_nothing_and_a_step_one_reduce_scatter_and_one_all_gather(cases, shard):
+    case = CASES[2]  # bf16, clipped
+    for rank in range(WORLD):
+        for step, phases in enumerate(cases[rank][key(case, shard)]["phases"]):
+            sent = [(phase, kinds) for phase, kinds, _ in phases if kinds and phase != "step"]
+            assert not sent, f"rank {rank}, step {step + 1}: {shard} sent {sent} during the micro-steps; " \
+                             f"all its communication belongs to the optimizer step"
+            at_step = [kinds for phase, kinds, _ in phases if phase == "step"][0]
+            assert at_step == {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1, "all_reduce": 1}, \
+                f"rank {rank}, step {step + 1}: {shard}'s optimizer step issued {at_step}; expected one " \
+                f"reduce-scatter of the gradients, one all-reduce of the squared norm, one all-gather of the weights"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[key(c, "") for c in CASES])
+def test_zero_moves_what_ddp_moves(cases, case):
+    """The paper's volume: DDP's all-reduce is 2 x the gradient bytes; a ZeRO step's reduce-scatter
+    and all-gather the same, plus the flat buffer's padding both ways and the 8-byte norm."""
+    n_params = cases[0][key(case, "none")]["states"]["n_params"]
+    padding = -n_params % WORLD
+    grad_bytes = 4 if case.get("fp32_grad_accum") or case["precision"] == "fp32" else 2
+    param_bytes = 4 if case["precision"] == "fp32" else 2
+    ddp = sum(v for _, _, v in cases[0][key(case, "none")]["phases"][-1])
+    assert ddp == 2 * grad_bytes * n_params, f"DDP moved {ddp:,} bytes in a step; 2 x the gradient is " \
+                                             f"{2 * grad_bytes * n_params:,}"
+    for shard in SHARDS:
+        ours = sum(v for _, _, v in cases[0][key(case, shard)]["phases"][-1])
+        want = (grad_bytes + param_bytes) * (n_params + padding) + 2 * 8
+        assert ours == want, f"{shard} moved {ours:,} bytes in a step, expected a reduce-scatter of the " \
+                             f"{grad_bytes}-byte gradients and an all-gather of the {param_bytes}-byte weights " \
+                             f"({n_params:,} + {padding} padding each) and the norm: {want:,}"
+        if grad_bytes == param_bytes:
+            assert ours - ddp == 2 * grad_bytes * padding + 16
+
+
+@pytest.mark.parametrize("shard", SHARDS)
+def test_each_rank_holds_its_slice_of_the_master_and_adamws_states(cases, shard):
+    """Measured storages against the slice arithmetic: rank r owns elements [r*S, (r+1)*S) of the
+    padded flat buffer; its master is 4 bytes and its m and v 8 bytes per real element, plus
+    AdamW's FP32 step count (torch keeps it on the CPU) per parameter piece in the slice."""
+    case = CASES[2]
+    n_params = cases[0][key(case, "none")]["states"]["n_params"]
+    sizes = [p.numel() for p in cases[0][key(case, "none")]["params"][-1]]
+    ddp = cases[0][key(case, "none")]["states"]
+    total = dict(master=0, optimizer=0)
+    for rank in range(WORLD):
+        shards = zero.Shards([torch.empty(n, device="meta") for n in sizes], WORLD, rank)
+        real = sum(n for *_, n in shards.pieces())
+        got = cases[rank][key(case, shard)]["states"]
+        want = dict(master=4 * real, optimizer=8 * real + 4 * len(shards.pieces()),
+                    parameters=2 * (n_params + shards.padding))
+        for component, value in want.items():
+            assert got[component] == value, f"rank {rank}, {shard}: {component} measured {got[component]:,} bytes, " \
+                                            f"the slice of {real:,} parameters (of {n_params:,}) predicts {value:,}"
+        total["master"] += got["master"]
+        total["optimizer"] += got["optimizer"] - 4 * len(shards.pieces())
+    assert total["master"] == ddp["master"], "the ranks' master slices do not add up to DDP's whole master copy"
+    assert total["optimizer"] == ddp["optimizer"] - 4 * len(sizes), "the ranks' m and v do not add up to DDP's"
+
+
+@pytest.mark.parametrize("shard", SHARDS)
+def test_an_overflow_in_one_ranks_slice_skips_the_step_on_every_rank(overflow, shard):
+    runs = [overflow[rank][shard] for rank in range(WORLD)]
+    last_start, _ = runs[-1]["slice"]
+    assert runs[0]["n_params"] - 1 >= last_start, "the planted inf is not in the last rank's slice"
+    for rank, run in enumerate(runs):
+        steps = run["steps"]
+        assert [s["stepped"] for s in steps] == [True, False, True], \
+            f"rank {rank} ({shard}) stepped {[s['stepped'] for s in steps]}: the inf was in rank {WORLD - 1}'s " \
+            f"slice only, and every rank must skip step 2"
+        assert not steps[1]["changed"], f"rank {rank} ({shard}) changed its weights on the skipped step"
+        assert [s["scale"] for s in steps] == [65536.0, 32768.0, 32768.0], \
+            f"rank {rank} ({shard}): the loss scale went {[s['scale'] for s in steps]}; it must back off on every rank"
+
+
+def test_one_process_is_refused_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--shard=zero2", "--device=cpu", f"--out_dir={tmp_path}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "torchrun" in r.stderr and "make ddp NPROC=2 SHARD=zero2" in r.stderr, r.stderr
+
+
+def test_count_sees_every_collective_we_call():
+    """ledger/comm.Count must wrap the names zero.py calls (or the step's volume reads 0)."""
+    import inspect
+    import re
+    called = set(re.findall(r"dist\.(\w+)\(", inspect.getsource(zero)))
+    collectives = called - {"get_world_size", "get_rank", "gather"}  # gather: snapshots, not steps
+    assert collectives <= set(comm.FACTOR), f"zero.py calls {sorted(collectives - set(comm.FACTOR))}, " \
+                                            f"which ledger/comm.Count does not count"
+
+
+def test_shape_is_padded():
+    """The cases' model has an odd parameter count, so the flat buffer's padding is exercised."""
+    from config import Config
+    import memory_ledger
+    n, _ = memory_ledger.param_count(Config(**SHAPE))
+    assert n % WORLD, f"P = {n} divides by {WORLD}: pick a SHAPE with an odd parameter count"
+    assert K > 1, "with one micro-step, 'the micro-steps send nothing' tests nothing"

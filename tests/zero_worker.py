@@ -1,0 +1,106 @@
+"""The rank-side half of tests/test_zero.py, run by torchrun (gloo on CPU, 2 ranks).
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/zero_worker.py cases OUT
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/zero_worker.py overflow OUT
+
+"cases": the same batches through DDP, ZeRO-1 and ZeRO-2 for each precision, with and without
+clipping and FP32 gradient sums; per case the parameters after STEPS optimizer steps, what each
+step returned, the collectives each phase issued (ledger/comm.Count) and this rank's state bytes.
+"overflow": FP16, an inf planted in rank 1's gradient where only rank 1's slice holds it.
+Each rank writes OUT/<mode>-rank<r>.pt.
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import accumulate  # noqa: E402
+import train  # noqa: E402
+from ddp_worker import make_batches, tiny_config  # noqa: E402
+from ledger import comm  # noqa: E402
+from ledger.measure import storage_bytes  # noqa: E402
+
+K, B, STEPS = 2, 2, 3  # micro-steps, sequences per micro-batch, optimizer steps per case
+SHAPE = dict(n_layer=2, n_embd=35, n_head=5, block_size=17)  # P = 39,935 is odd: the flat buffer is padded
+CASES = [dict(precision=p, grad_clip=c) for p in ("fp32", "bf16", "fp16") for c in (0.0, 0.5)] + \
+        [dict(precision="bf16", grad_clip=0.5, fp32_grad_accum=True)]
+
+
+def key(case, shard):
+    return ",".join(f"{k}={v}" for k, v in sorted(case.items())) + f",shard={shard}"
+
+
+def run_case(case, shard, rank, world):
+    cfg = tiny_config(**SHAPE, **case, shard=shard)
+    model, parts = train.build(cfg, torch.device("cpu"))
+    with comm.Count() as count:
+        run = train.wrap_ddp(model, torch.device("cpu")) if shard == "none" else model
+        if shard == "none":
+            count.ddp_hook(run)
+        batches = make_batches(11, STEPS * world * K, B, cfg.block_size)
+        steps, phases, after = [], [], []
+        for step in range(STEPS):
+            marks = []
+            observe = lambda name: marks.append((name, count.mark()))  # noqa: E731
+            first = (step * world + rank) * K
+            loss, stepped, norm = accumulate.accumulation_step(run, parts, batches[first:first + K], observe=observe)
+            marks.append(("end", count.mark()))
+            steps.append(dict(loss=loss, stepped=stepped, grad_norm=norm))
+            after.append([p.detach().clone() for p in model.parameters()])
+            # the collectives between one phase mark and the next: [(phase, {name: count}, volume)]
+            phases.append([(name, dict(count.kinds(at, nxt)), count.volume(at, nxt))
+                           for (name, at), (_, nxt) in zip(marks, marks[1:])])
+    opt = parts.optimizer
+    states = dict(parameters=storage_bytes(list(model.parameters())),
+                  master=storage_bytes(opt.master_params, exclude=()) if opt.master_weights else 0,
+                  optimizer=storage_bytes(opt.state_tensors()), n_params=sum(p.numel() for p in model.parameters()))
+    del run
+    return dict(params=after, steps=steps, phases=phases, states=states)
+
+
+def cases(rank, world):
+    return {key(case, shard): run_case(case, shard, rank, world) for case in CASES
+            for shard in ("none", "zero1", "zero2")}
+
+
+def overflow(rank, world):
+    """FP16 ZeRO: at step 2 rank 1 finds an inf in the last element of its .grad, which the
+    reduce-scatter puts into rank 1's slice only. Every rank must skip the step and back off."""
+    out = {}
+    for shard in ("zero1", "zero2"):
+        cfg = tiny_config(**SHAPE, precision="fp16", shard=shard, grad_clip=1.0)
+        model, parts = train.build(cfg, torch.device("cpu"))
+        step_fn, seen = parts.optimizer.step, []
+
+        def planting_step(grads=None, loss_scale=1.0):
+            if len(seen) == 1 and rank == world - 1:
+                last = parts.optimizer.model_params[-1]
+                last.grad.view(-1)[-1] = float("inf")
+            seen.append(parts.optimizer.shards.start)
+            return step_fn(grads, loss_scale)
+        parts.optimizer.step = planting_step
+        batches = make_batches(5, 3 * world * K, B, cfg.block_size)
+        record = []
+        for step in range(3):
+            before = [p.detach().clone() for p in model.parameters()]
+            first = (step * world + rank) * K
+            _, stepped, norm = accumulate.accumulation_step(model, parts, batches[first:first + K])
+            changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            record.append(dict(stepped=stepped, changed=changed, scale=parts.scaler.loss_scale, grad_norm=norm))
+        out[shard] = dict(steps=record, slice=(parts.optimizer.shards.start, parts.optimizer.shards.size),
+                          n_params=sum(p.numel() for p in model.parameters()))
+    return out
+
+
+if __name__ == "__main__":
+    mode, out_dir = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.save(dict(cases=cases, overflow=overflow)[mode](rank, world), out_dir / f"{mode}-rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
