@@ -43,8 +43,8 @@ class Shards:
     ranks get equal slices of S elements; rank r owns [r*S, (r+1)*S). The padding (fewer than
     N elements, at the end of the last slice) belongs to no parameter: it has no master, no m, v."""
 
-    def __init__(self, params, world, rank):
-        self.sizes = [p.numel() for p in params]
+    def __init__(self, sizes, world, rank):
+        self.sizes = list(sizes)  # each parameter's element count, in the model's order
         total = sum(self.sizes)
         self.padding = -total % world
         self.size = (total + self.padding) // world  # S
@@ -99,7 +99,7 @@ class ShardedOptimizer:
         self.stage, self.master_weights = stage, master_weights
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.model_params = [p for p in params if p.requires_grad]
-        self.shards = Shards(self.model_params, self.world, self.rank)
+        self.shards = Shards([p.numel() for p in self.model_params], self.world, self.rank)
         self.flat = flatten(self.model_params, self.shards.padding)
         self.my_slice = self.flat[self.shards.start:self.shards.start + self.shards.size]
         # one leaf view of my slice per parameter it overlaps: the slice optimizer's "model parameters"

@@ -389,6 +389,15 @@ def measure(model, parts, batch, device):
                                             device)
         tracker.start_phase(name)
 
+    adamw_step = opt.adamw.step
+
+    def read_step_gradients(*args, **kwargs):
+        # the gradients alive while AdamW steps: .grad, a ZeRO rank's reduced slice, the FP32 sums
+        # (ZeRO-2 has released .grad by now, ZeRO-1 has not: the rows of zero.py differ here)
+        held = [p.grad for p in params] + [getattr(opt, "grad_slice", None)] + (parts.grad_buffers or [])
+        out["step_gradients"] = storage_bytes([t for t in held if t is not None], device)
+        return adamw_step(*args, **kwargs)
+    opt.adamw.step = read_step_gradients
     try:
         with tracker, saved:
             tracker.adopt(static + (parts.grad_buffers or []) + list(batch))
@@ -397,6 +406,7 @@ def measure(model, parts, batch, device):
             accumulate.accumulation_step(model, parts, [batch], observe=observe)
             phase["end"] = tracker.read()
     finally:
+        del opt.adamw.step  # the instance attribute goes: AdamW's own step again
         hook.remove()
         module_path.remove()
     out["phase"] = dict(before=before, **phase)

@@ -122,7 +122,7 @@ def test_each_rank_holds_its_slice_of_the_master_and_adamws_states(cases, shard)
     ddp = cases[0][key(case, "none")]["states"]
     total = dict(master=0, optimizer=0)
     for rank in range(WORLD):
-        shards = zero.Shards([torch.empty(n, device="meta") for n in sizes], WORLD, rank)
+        shards = zero.Shards(sizes, WORLD, rank)
         real = sum(n for *_, n in shards.pieces())
         got = cases[rank][key(case, shard)]["states"]
         want = dict(master=4 * real, optimizer=8 * real + 4 * len(shards.pieces()),
