@@ -28,6 +28,7 @@ import checkpoint
 import config
 import flops
 import fp8
+import fsdp
 import precision
 import snapshot
 import zero
@@ -61,8 +62,12 @@ def build(cfg, device=None):
         recipe.check_device(device)
         torch.manual_seed(cfg.seed)
         model = GPT(cfg, linear_factory=recipe.linear_factory())
-        model.to(device=device, dtype=recipe.param_dtype)
-        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts)
+        sharded = cfg.shard == "fsdp"  # FSDP2 keeps FP32 shards (the master weights), casts per block
+        model.to(device=device, dtype=torch.float32 if sharded else recipe.param_dtype)
+        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts,
+                                recompute_fn=fsdp.recompute if sharded else checkpoint.recompute)
+        if sharded:
+            fsdp.apply_fsdp(model, recipe)
         optimizer = make_optimizer(cfg, model, recipe)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -75,11 +80,14 @@ def build(cfg, device=None):
 
 def make_optimizer(cfg, model, recipe):
     """The optimizer SHARD asks for: AdamW on an FP32 master copy of the whole model (none: DDP
-    keeps it on every rank), or of this rank's slice only (zero1, zero2: zero.py)."""
+    keeps it on every rank), or of this rank's slice only (zero1, zero2: zero.py), or on this
+    rank's FP32 shards, which are the master weights (fsdp: fsdp.py)."""
     adamw = dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
                  grad_clip=cfg.grad_clip)
     if cfg.shard in zero.STAGES:
         return zero.ShardedOptimizer(model.parameters(), recipe.master_weights, zero.STAGES[cfg.shard], **adamw)
+    if cfg.shard == "fsdp":
+        return fsdp.ShardOptimizer(model.parameters(), recipe.master_weights, **adamw)
     return precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, **adamw)
 
 
@@ -170,7 +178,7 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
             saved = snap["scaler"]["loss_scale"]
             log(f"loss scale: this run's ({parts.recipe.loss_scaling}, {parts.scaler.loss_scale:g}) replaces the "
                 f"snapshot's ({saved:g}), as its flags ask")
-    run_model = wrap_ddp(model, device) if world_size > 1 and cfg.shard == "none" else model  # ZeRO reduces itself
+    run_model = wrap_ddp(model, device) if world_size > 1 and cfg.shard == "none" else model  # ZeRO, FSDP reduce themselves
     seqs, tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
     flops_per_token = model.flops_per_token()
     hw_flops_per_token = flops_per_token + checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg))
