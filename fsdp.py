@@ -45,7 +45,8 @@ def apply_fsdp(model, recipe):
     gathering (its parameters gathered together, its gradient reduce-scattered together), and
     the root holds the rest (the embeddings, tied to the head, and ln_f). In place; returns model."""
     if fully_shard is None:
-        raise ValueError(f"shard=fsdp needs torch >= 2.6 (torch.distributed.fsdp.fully_shard), this is {torch.__version__}")
+        raise ValueError(f"shard=fsdp needs torch >= 2.6 (torch.distributed.fsdp.fully_shard), this is "
+                         f"{torch.__version__}")
     if next(model.parameters()).dtype != torch.float32:
         raise ValueError("apply_fsdp shards an FP32 model: the FP32 shards are the master weights")
     # 16-bit precisions: gathered in that dtype for compute, gradients reduced in FP32; fp32: as is

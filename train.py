@@ -178,7 +178,7 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
             saved = snap["scaler"]["loss_scale"]
             log(f"loss scale: this run's ({parts.recipe.loss_scaling}, {parts.scaler.loss_scale:g}) replaces the "
                 f"snapshot's ({saved:g}), as its flags ask")
-    run_model = wrap_ddp(model, device) if world_size > 1 and cfg.shard == "none" else model  # ZeRO, FSDP reduce themselves
+    run_model = wrap_ddp(model, device) if world_size > 1 and cfg.shard == "none" else model  # ZeRO, FSDP: no wrapper
     seqs, tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
     flops_per_token = model.flops_per_token()
     hw_flops_per_token = flops_per_token + checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg))
