@@ -170,6 +170,7 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
     batches = Batches(train_tokens, cfg.block_size, cfg.batch_size, cfg.seed + 1 + rank, device)
     torch.manual_seed(cfg.seed + 1000 + rank)  # dropout's stream, distinct per rank
     master = rank == 0
+    every_rank = cfg.shard == "fsdp"  # its forward gathers parameters: evaluation and sampling are collectives
     if snap is not None:
         fresh_scaler = scaler_asked_anew(cfg, snap)
         start_step = resumed = snapshot.restore(snap, model, parts, batches, rank, world_size, device,
@@ -230,11 +231,12 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
                     f" | {tok_s / 1e3:7.1f}k tok/s | MFU {pct(mfu)} HFU {pct(hfu)} | mem {ledger_run.now(device)[0]}"
                     f" | scale {parts.scaler.loss_scale:g} skipped {parts.scaler.skipped_steps}")
                 t_last, tokens_since = time.perf_counter(), 0
-            if master and (step + 1) % cfg.eval_interval == 0:
+            if (master or every_rank) and (step + 1) % cfg.eval_interval == 0:
                 t_eval = time.perf_counter()
                 val = estimate_loss(model, Batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.seed, device),
                                     cfg.eval_iters, parts.recipe)
-                log(f"step {step + 1:5d} | val loss {val:.4f}")
+                if master:
+                    log(f"step {step + 1:5d} | val loss {val:.4f}")
                 history[-1]["val_loss"] = val
                 t_last += time.perf_counter() - t_eval  # evaluation is not training time
             last = step + 1 == cfg.max_iters
@@ -253,8 +255,10 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
     except guard.Interrupted as e:
         e.where = f"step {done} of {cfg.max_iters}; {note()}"
         raise
-    if master and cfg.sample_tokens and start_step < cfg.max_iters:
-        log("sample:\n" + sample(model, device, cfg.sample_tokens))
+    if (master or every_rank) and cfg.sample_tokens and start_step < cfg.max_iters:
+        text = sample(model, device, cfg.sample_tokens)  # every rank's forward under fsdp; rank 0's text
+        if master:
+            log("sample:\n" + text)
     return history
 
 
