@@ -70,7 +70,8 @@ def record_step(parts, sink):
 
     def recording(grads=None, loss_scale=1.0):
         seen = grads if grads is not None else [p.grad for p in parts.optimizer.model_params]
-        grads_now = [whole(g).detach().float().clone() / loss_scale for g in seen]
+        # None: no gradient reached this parameter (the optimizer would step it with zeros)
+        grads_now = [None if g is None else whole(g).detach().float().clone() / loss_scale for g in seen]
         out = step(grads, loss_scale)
         sink.append(dict(grads=grads_now, stepped=out[0], norm=out[1]))
         return out
