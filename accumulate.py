@@ -19,11 +19,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed import fsdp as torch_fsdp
 
 import fp8
 import precision
 from config import LOSS_NORMS
 
+FSDP_MODULE = getattr(torch_fsdp, "FSDPModule", ())  # what fully_shard makes a module (torch >= 2.6; () matches none)
 IGNORE_INDEX = -100  # targets equal to this carry no loss (padding); F.cross_entropy's default
 
 
@@ -96,6 +98,7 @@ def accumulation_step(model, parts, micro_batches, loss_norm="mean", use_no_sync
     """
     observe = observe or (lambda phase: None)
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    fsdp = isinstance(model, FSDP_MODULE)  # fsdp.py: sharded by fully_shard, no wrapper
     across_ranks = ddp or (dist.is_initialized() and dist.get_world_size() > 1)  # ZeRO and FSDP: no DDP wrapper
     weights, log_weights = loss_weights(micro_batches, loss_norm, across_ranks)
     buffers = parts.grad_buffers
@@ -105,6 +108,8 @@ def accumulation_step(model, parts, micro_batches, loss_norm="mean", use_no_sync
         # with FP32 buffers under DDP every micro-step skips DDP's all-reduce and
         # optimizer_step all-reduces the FP32 sums (DDP can only reduce the 16-bit .grad)
         skip_sync = ddp and (buffers is not None or (use_no_sync and not last))
+        if fsdp:  # FSDP2 has no no_sync(): its switch holds until set again, and sums unreduced grads in FP32
+            model.set_requires_gradient_sync(not use_no_sync or last)
         # no_sync must cover the forward too: DDP decides at forward time whether this
         # backward will all-reduce, so a forward outside it would arm the all-reduce hooks
         with model.no_sync() if skip_sync else nullcontext():

@@ -99,7 +99,8 @@ class Recompute(torch.autograd.Function):
             return fn(*args)
 
     @staticmethod
-    def backward(ctx, *grad_outputs):
+    def rerun(ctx):
+        """(inputs, outputs): the forward again, on fresh leaves of the saved inputs, with grad on."""
         saved = iter(ctx.saved_tensors)
         inputs = []  # fresh leaves to differentiate
         for is_tensor, arg in zip(ctx.is_tensor, ctx.non_tensors):
@@ -120,7 +121,11 @@ class Recompute(torch.autograd.Function):
                                    for x in inputs))
         finally:
             set_rng_state(outer_rng, ctx.device)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return inputs, outputs if isinstance(outputs, tuple) else (outputs,)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        inputs, outputs = Recompute.rerun(ctx)
         wrt = [x for x in inputs if torch.is_tensor(x) and x.requires_grad] + \
               [p for p in ctx.params if p.requires_grad]
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]

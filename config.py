@@ -148,6 +148,9 @@ def validate(cfg):
             raise UsageError(f"a static loss_scale must be a positive number within FP32's range, "
                              f"got {cfg.loss_scale!r}")
     check_meaningful(cfg)
+    if cfg.shard == "fsdp" and cfg.precision == "fp8":
+        raise UsageError("--shard=fsdp does not run precision=fp8: FP8 Linears keep whole FP8 copies and an amax "
+                         "per weight, and FSDP shards the weights (use shard=none|zero1|zero2)")
     if cfg.precision == "fp8":
         validate_fp8(cfg)
     return cfg
@@ -166,6 +169,9 @@ def check_meaningful(cfg):
         raise UsageError("--loss_scale_hysteresis applies to dynamic loss scaling (fp16, or loss_scale=dynamic)")
     if cfg.fp32_grad_accum and cfg.precision == "fp32":
         raise UsageError("--fp32_grad_accum sums 16-bit gradients in FP32; with precision=fp32 they already are")
+    if cfg.fp32_grad_accum and cfg.shard == "fsdp":
+        raise UsageError("--fp32_grad_accum does not apply to shard=fsdp: FSDP already reduces and sums the "
+                         "micro-steps' gradients in FP32 (its reduce_dtype)")
 
 
 def validate_fp8(cfg):

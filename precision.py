@@ -271,7 +271,7 @@ class MasterWeightOptimizer:
         for m, g in zip(self.master_params, grads):
             m.grad = g
         self.adamw.step()
-        if self.master_weights:
+        if self.master_params is not self.model_params:  # fsdp.py's shards are their own masters
             with torch.no_grad():
                 # into the parameters themselves, not .data: the copy bumps their version counter,
                 # which tells fp8.py that an FP8 copy of a weight is stale

@@ -28,6 +28,7 @@ import checkpoint
 import config
 import flops
 import fp8
+import fsdp
 import precision
 import snapshot
 import zero
@@ -61,8 +62,12 @@ def build(cfg, device=None):
         recipe.check_device(device)
         torch.manual_seed(cfg.seed)
         model = GPT(cfg, linear_factory=recipe.linear_factory())
-        model.to(device=device, dtype=recipe.param_dtype)
-        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts)
+        sharded = cfg.shard == "fsdp"  # FSDP2 keeps FP32 shards (the master weights), casts per block
+        model.to(device=device, dtype=torch.float32 if sharded else recipe.param_dtype)
+        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts,
+                                recompute_fn=fsdp.recompute if sharded else checkpoint.recompute)
+        if sharded:
+            fsdp.apply_fsdp(model, recipe)
         optimizer = make_optimizer(cfg, model, recipe)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -75,11 +80,14 @@ def build(cfg, device=None):
 
 def make_optimizer(cfg, model, recipe):
     """The optimizer SHARD asks for: AdamW on an FP32 master copy of the whole model (none: DDP
-    keeps it on every rank), or of this rank's slice only (zero1, zero2: zero.py)."""
+    keeps it on every rank), or of this rank's slice only (zero1, zero2: zero.py), or on this
+    rank's FP32 shards, which are the master weights (fsdp: fsdp.py)."""
     adamw = dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
                  grad_clip=cfg.grad_clip)
     if cfg.shard in zero.STAGES:
         return zero.ShardedOptimizer(model.parameters(), recipe.master_weights, zero.STAGES[cfg.shard], **adamw)
+    if cfg.shard == "fsdp":
+        return fsdp.ShardOptimizer(model.parameters(), recipe.master_weights, **adamw)
     return precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, **adamw)
 
 
@@ -162,6 +170,7 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
     batches = Batches(train_tokens, cfg.block_size, cfg.batch_size, cfg.seed + 1 + rank, device)
     torch.manual_seed(cfg.seed + 1000 + rank)  # dropout's stream, distinct per rank
     master = rank == 0
+    every_rank = cfg.shard == "fsdp"  # its forward gathers parameters: evaluation and sampling are collectives
     if snap is not None:
         fresh_scaler = scaler_asked_anew(cfg, snap)
         start_step = resumed = snapshot.restore(snap, model, parts, batches, rank, world_size, device,
@@ -170,7 +179,7 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
             saved = snap["scaler"]["loss_scale"]
             log(f"loss scale: this run's ({parts.recipe.loss_scaling}, {parts.scaler.loss_scale:g}) replaces the "
                 f"snapshot's ({saved:g}), as its flags ask")
-    run_model = wrap_ddp(model, device) if world_size > 1 and cfg.shard == "none" else model  # ZeRO reduces itself
+    run_model = wrap_ddp(model, device) if world_size > 1 and cfg.shard == "none" else model  # ZeRO, FSDP: no wrapper
     seqs, tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
     flops_per_token = model.flops_per_token()
     hw_flops_per_token = flops_per_token + checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg))
@@ -222,11 +231,12 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
                     f" | {tok_s / 1e3:7.1f}k tok/s | MFU {pct(mfu)} HFU {pct(hfu)} | mem {ledger_run.now(device)[0]}"
                     f" | scale {parts.scaler.loss_scale:g} skipped {parts.scaler.skipped_steps}")
                 t_last, tokens_since = time.perf_counter(), 0
-            if master and (step + 1) % cfg.eval_interval == 0:
+            if (master or every_rank) and (step + 1) % cfg.eval_interval == 0:
                 t_eval = time.perf_counter()
                 val = estimate_loss(model, Batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.seed, device),
                                     cfg.eval_iters, parts.recipe)
-                log(f"step {step + 1:5d} | val loss {val:.4f}")
+                if master:
+                    log(f"step {step + 1:5d} | val loss {val:.4f}")
                 history[-1]["val_loss"] = val
                 t_last += time.perf_counter() - t_eval  # evaluation is not training time
             last = step + 1 == cfg.max_iters
@@ -245,8 +255,10 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
     except guard.Interrupted as e:
         e.where = f"step {done} of {cfg.max_iters}; {note()}"
         raise
-    if master and cfg.sample_tokens and start_step < cfg.max_iters:
-        log("sample:\n" + sample(model, device, cfg.sample_tokens))
+    if (master or every_rank) and cfg.sample_tokens and start_step < cfg.max_iters:
+        text = sample(model, device, cfg.sample_tokens)  # every rank's forward under fsdp; rank 0's text
+        if master:
+            log("sample:\n" + text)
     return history
 
 
