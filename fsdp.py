@@ -112,7 +112,7 @@ class ShardOptimizer(precision.MasterWeightOptimizer):
         as zero.py does, with the squares in FP64.) Every rank gets the same value, so every rank
         skips an overflowing step and clips by the same factor."""
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        squares = torch.stack(torch._foreach_norm(local)).double().square().sum()
+        squares = precision.squared_sum(local)  # FP64, as zero.py and precision.py sum them
         dist.all_reduce(squares)
         return squares.sqrt().float()
 

@@ -1,6 +1,6 @@
 """Collectives counted: how many, which, and the bytes they move (chapter section 4's claim).
 
-Serves zero.py and fsdp.py; read it after them. `Count` wraps torch.distributed's collectives
+Serves zero.py and fsdp.py. Read zero.py first, then `Count`: it wraps torch.distributed's collectives
 while it is open (our ZeRO's calls, FSDP2's), and `Count.ddp_hook` counts DDP's all-reduces,
 which its C++ reducer issues without going through Python unless a communication hook
 sends each bucket. Nothing here changes what is sent.

@@ -26,8 +26,14 @@ import accumulate
 import checkpoint
 
 
+def local(t):
+    """What this rank holds of `t`: a DTensor (fsdp.py's shards, their gradients and AdamW's
+    states) is its local shard; its own storage would be the whole tensor's size."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def storage_key(t):
-    return StorageWeakRef(t.untyped_storage()).cdata
+    return StorageWeakRef(local(t).untyped_storage()).cdata
 
 
 def storage_ids(tensors):
@@ -41,7 +47,7 @@ def storage_bytes(tensors, device=None, exclude=()):
         if t is None or (device is not None and t.device.type != torch.device(device).type):
             continue
         if storage_key(t) not in exclude:
-            seen[storage_key(t)] = t.untyped_storage().nbytes()
+            seen[storage_key(t)] = local(t).untyped_storage().nbytes()
     return sum(seen.values())
 
 

@@ -8,11 +8,15 @@ gradients the step holds (ZeRO-1 keeps the whole .grad beside its reduced slice,
 the slice), per rank.
 
 Components (bytes), as ledger/measure.measure counts them, after a steady-state step:
-  parameters      the parameters' storages (ZeRO: the padded flat buffer, whole on every rank)
-  master          the FP32 master copy (a slice of it under ZeRO; 0 for fp32: the parameters are it)
+  parameters      the parameters' storages (ZeRO: the padded flat buffer, whole on every rank;
+                  FSDP: this rank's FP32 shards, which are the master weights too)
+  master          the FP32 master copy (a slice of it under ZeRO; 0 for fp32 and FSDP: the
+                  parameters are it)
   optimizer       AdamW's m and v, FP32, plus its FP32 step count per tensor (CPU only)
   step_gradients  the gradients alive while AdamW steps: .grad, the reduced slice, the FP32 sums
 """
+import math
+
 import torch
 
 import memory_ledger as ml
@@ -21,21 +25,23 @@ import zero
 from model import GPT
 
 
-def param_sizes(cfg):
-    """Each parameter's element count in model.GPT's order (built on the meta device: no memory);
-    the order decides which parameters a rank's slice cuts through."""
+def param_shapes(cfg):
+    """Each parameter's shape in model.GPT's order (built on the meta device: no memory); the
+    order decides which parameters a ZeRO slice cuts through, the first dimension how FSDP cuts."""
     with torch.device("meta"):
         model = GPT(cfg)
-    sizes = [p.numel() for p in model.parameters()]
-    assert sum(sizes) == ml.param_count(cfg)[0], "model.py and memory_ledger.py count different parameters"
-    return sizes
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert sum(math.prod(s) for s in shapes) == ml.param_count(cfg)[0], \
+        "model.py and memory_ledger.py count different parameters"
+    return shapes
 
 
 def rank_states(cfg, shard, world, rank):
     """{component: bytes} for rank `rank` of `world` under SHARD=shard (none: DDP's whole copy)."""
     rec = precision.recipe(cfg)
     e, master = rec.element_bytes, rec.master_weights
-    sizes = param_sizes(cfg)
+    shapes = param_shapes(cfg)
+    sizes = [math.prod(s) for s in shapes]
     P = sum(sizes)
     step_counts = 0 if cfg.device == "cuda" else 4  # torch keeps AdamW's FP32 `step` on the CPU
     sums = cfg.fp32_grad_accum and master  # FP32 sums: .grad is added into them and released each micro-step
@@ -52,4 +58,15 @@ def rank_states(cfg, shard, world, rank):
                     optimizer=8 * real + step_counts * len(pieces),
                     step_gradients=(4 if sums else e) * shards.size + (whole_grad if keeps_whole else 0),
                     padding=shards.padding)
+    if shard == "fsdp":
+        # FSDP2 cuts each parameter along its first dimension into N pieces of ceil(d0/N) rows and
+        # keeps this rank's piece in a buffer of that many rows, padded on the last ranks
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_param.py): the parameter and its gradient (FP32,
+        # the reduce dtype) take the padded size; AdamW's m and v, made like the local shard, not
+        rows = [-(-s[0] // world) for s in shapes]
+        rest = [n // s[0] for n, s in zip(sizes, shapes)]
+        padded = sum(r * k for r, k in zip(rows, rest))
+        mine = sum(max(0, min(r, s[0] - rank * r)) * k for r, s, k in zip(rows, shapes, rest))
+        return dict(parameters=4 * padded, master=0, optimizer=8 * mine + step_counts * len(shapes),
+                    step_gradients=4 * padded, padding=world * padded - P)
     raise ValueError(f"no per-rank formula for shard={shard}")

@@ -32,7 +32,7 @@ MEASURED = ("parameters", "buffers", "master", "optimizer", "step_gradients", "a
 @dataclass
 class RankOptions:
     into: str = key("", "the JSON file rank 0 writes")
-    shards: str = key("none,zero1,zero2", "the SHARD values to measure, comma-separated")
+    shards: str = key("none,zero1,zero2,fsdp", "the SHARD values to measure, comma-separated")
 
 
 def measure_shard(cfg, shard, rank, world):
