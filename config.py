@@ -267,6 +267,13 @@ def usage(program="train.py", *extra, choices=None):
     return "\n".join(lines)
 
 
+def flags(cfg):
+    """cfg as the command line that gives it: --key=value for every key off its default."""
+    def text(value):
+        return str(value).lower() if isinstance(value, bool) else str(value)
+    return [f"--{f.name}={text(getattr(cfg, f.name))}" for f in fields(Config) if getattr(cfg, f.name) != f.default]
+
+
 def given(argv):
     """The keys named on a command line (to refuse a flag a program would silently ignore)."""
     return {arg[2:].partition("=")[0] for arg in argv if arg.startswith("--")}

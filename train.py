@@ -213,6 +213,9 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
                                 loss_scale=parts.scaler.loss_scale))
             if master and step == start_step and cfg.ledger:
                 log(ledger_run.ledger_line(cfg, device))
+            if step == start_step and cfg.shard != "none" and (line := ledger_run.states_line(cfg, model, parts,
+                                                                                              world_size)):
+                log(line)  # every rank measured its share; rank 0 says it
             if master and cfg.memory_snapshot and step + 1 == min(start_step + ledger_run.HISTORY_STEPS,
                                                                   cfg.max_iters):
                 ledger_run.save_history(out_dir / MEMORY_HISTORY)

@@ -85,6 +85,28 @@ def ledger_line_text(cfg, allocated, max_allocated, workspaces):
             f"{max_allocated / MiB:.1f} MiB (step 1 also creates AdamW's states); `make ledger` for every component")
 
 
+def states_line(cfg, model, parts, world_size):
+    """Under SHARD (zero.py, fsdp.py), after the first step: what each rank holds of the states,
+    measured (the storages alive now), beside what every DDP rank would hold (ledger/shard.py's
+    formula). A collective (every rank calls it); rank 0's return is the line, the others' None."""
+    from ledger import measure, shard  # measure imports accumulate and checkpoint: loaded when asked
+    opt = parts.optimizer
+    params = list(model.parameters())
+    mine = [measure.storage_bytes(params),
+            measure.storage_bytes(opt.master_params, exclude=measure.storage_ids(params)) if opt.master_weights else 0,
+            measure.storage_bytes(opt.state_tensors())]
+    every = [None] * world_size
+    torch.distributed.all_gather_object(every, mine)
+    if torch.distributed.get_rank() != 0:
+        return None
+    # counted as measured here, every storage on any device: AdamW's CPU step counts too
+    ddp = shard.rank_states(dataclasses.replace(cfg, device="cpu"), "none", world_size, 0)
+    show = lambda p, m, o: f"parameters {p / MiB:.2f}, master {m / MiB:.2f}, AdamW {o / MiB:.2f}"  # noqa: E731
+    ranks = "; ".join(f"rank {r}: {show(*figures)}" for r, figures in enumerate(every))
+    return (f"states per rank, MiB, shard={cfg.shard} over {world_size} ranks (measured): {ranks}; "
+            f"every DDP rank: {show(ddp['parameters'], ddp['master'], ddp['optimizer'])}")
+
+
 def blas_workspaces(device):
     """{thread: bytes} of the cuBLAS and cuBLASLt workspaces, which the caching allocator holds for
     the process's life: one per (handle, stream), a handle per thread, and backward runs in

@@ -175,3 +175,33 @@ def test_shape_is_padded():
     n, _ = memory_ledger.param_count(Config(**SHAPE))
     assert n % WORLD, f"P = {n} divides by {WORLD}: pick a SHAPE with an odd parameter count"
     assert K > 1, "with one micro-step, 'the micro-steps send nothing' tests nothing"
+
+
+# ---------------------------------------------------------------- make ledger's sharded rows
+
+@pytest.fixture(scope="session")
+def ledger_ranks():
+    """tools/ledger.py's 2-process run at the odd shape: bf16, and fp16 with FP32 sums (no FSDP there)."""
+    from config import Config
+    from tools import ledger
+    return {name: ledger.measure_ranks(Config(**SHAPE, batch_size=2, **over))
+            for name, over in (("bf16", dict(precision="bf16")),
+                               ("fp16+sums", dict(precision="fp16", fp32_grad_accum=True)))}
+
+
+@pytest.mark.parametrize("run", ["bf16", "fp16+sums"])
+def test_the_ledgers_sharded_rows_are_exact(ledger_ranks, run):
+    figures = ledger_ranks[run]
+    assert set(figures) == ({"none", "zero1", "zero2", "fsdp"} if run == "bf16" else {"none", "zero1", "zero2"})
+    for shard, ranks in figures.items():
+        for r in ranks:
+            misses = {k: (r["measured"][k], v) for k, v in r["formula"].items() if k != "padding"
+                      and r["measured"][k] != v}
+            assert not misses, f"{run}, {shard}, rank {r['rank']}: (measured, ledger/shard.py's formula) differ " \
+                               f"for {misses}"
+    grads = {shard: ranks[0]["measured"]["step_gradients"] for shard, ranks in figures.items()}
+    if run == "bf16":  # what ZeRO-2 adds to ZeRO-1: the whole gradient gone before the step
+        assert grads["zero2"] < grads["none"] < grads["zero1"], f"gradients held in the step: {grads}"
+        assert figures["zero2"][0]["formula"]["padding"] == 1, "the odd shape's flat buffer has one padding element"
+    else:  # the FP32 sums are whole on every rank: ZeRO-2 cannot release them
+        assert grads["zero1"] == grads["zero2"] > grads["none"], f"gradients held in the step: {grads}"

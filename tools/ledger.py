@@ -20,12 +20,19 @@ forward left alive, on CUDA the caching allocator's figure, with the slack its b
 allow (ledger/measure.allocator_bounds). Where the activations miss, the report names each saved tensor the description
 does not explain (the autograd node that saved it, shape, dtype, bytes) and each term nothing
 matched. Every row of the table this project runs is measured on this machine, the FP8
-one included (on CPU its GEMM is backends/fp8_gemm.py's BF16 stand-in: about BF16's speed). Exit
+one included (on CPU its GEMM is backends/fp8_gemm.py's BF16 stand-in: about BF16's speed). The
+ZeRO-1, ZeRO-2 and FSDP rows are measured in 2 gloo processes on CPU (tools/ledger_ranks.py),
+each rank's parameters, master, AdamW states and the gradients its step holds checked to the byte
+against ledger/shard.py, with the collectives each step sent; the "over 8" rows stay formulas. Exit
 status 0 when every check passed, 1 when one missed, 2 for bad input.
 """
+import functools
 import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -38,7 +45,7 @@ import fp8  # noqa: E402
 import memory_ledger as ml  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
-from config import UsageError, given, key  # noqa: E402
+from config import RunError, UsageError, flags, given, key, validate  # noqa: E402
 from ledger import explain, measure, papers  # noqa: E402
 from ledger import parallel as mp  # noqa: E402
 from snapshot import check_writable, write_atomically  # noqa: E402
@@ -46,6 +53,8 @@ from tools import ledger_report as report  # noqa: E402
 from tools.ledger_report import format_table  # noqa: E402,F401  (tools/chapter.py prints with it)
 
 PEAK_TOL_CPU = 0.02  # the walk's peak against LiveTensors' (exact on the configs the tests run)
+RANKS = 2  # the sharded rows' processes: gloo on CPU
+SHARD_NAMES = {"none": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP (ZeRO-3)"}
 
 
 @dataclass
@@ -127,6 +136,74 @@ def _measured_components(m):
                 optimizer=m["master"] + m["optimizer"], fp8_kept=m["fp8_kept"], activations=m["activations"])
 
 
+# ---------------------------------------------------------------- the sharded rows, in RANKS processes
+
+def shards_for(cfg):
+    """The SHARD values cfg can run with (FSDP refuses FP8 and FP32 sums: config.validate)."""
+    runnable = []
+    for shard in SHARD_NAMES:
+        try:
+            validate(replace(cfg, shard=shard))
+            runnable.append(shard)
+        except UsageError:
+            pass
+    return runnable
+
+
+@functools.lru_cache(maxsize=4)
+def _ranks_run(argv):
+    with tempfile.TemporaryDirectory() as folder:
+        into = Path(folder) / "ranks.json"
+        env = dict(os.environ, OMP_NUM_THREADS="1")  # one thread per rank: RANKS processes share the cores
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc_per_node={RANKS}", str(Path(__file__).with_name("ledger_ranks.py")), *argv,
+                            f"--into={into}"], capture_output=True, text=True, env=env)
+        if r.returncode:
+            last = [line for line in r.stderr.splitlines() if "rror" in line][-1:] or ["no error line"]
+            raise RunError(f"the sharded rows' {RANKS}-process run failed: {last[0].strip()[:300]}")
+        return json.loads(into.read_text())["figures"]
+
+
+def measure_ranks(cfg):
+    """{shard: [each rank's measured and formula figures]}: tools/ledger_ranks.py under torchrun,
+    RANKS gloo processes on CPU, the same shape (once per config and process)."""
+    cpu = replace(cfg, device="cpu", shard="none")
+    return _ranks_run(tuple(flags(cpu)) + (f"--shards={','.join(shards_for(cpu))}",))
+
+
+def format_ranks(figures):
+    """(lines, ok): each rank's states measured against ledger/shard.py, and its step's collectives."""
+    mib = lambda n: f"{n / 2 ** 20:9.3f}"  # noqa: E731
+    lines = [f"each rank's states (MiB), measured in {RANKS} gloo processes on CPU (tools/ledger_ranks.py) against "
+             f"ledger/shard.py's formula; what a step sends (ledger/comm.py: the paper's volume):",
+             f"{'technique':14} {'rank':>4} {'parameters':>10} {'master':>9} {'AdamW':>9} {'grads@step':>10} "
+             f"{'peak':>9} {'padding':>8}  {'check':6} collectives per step (volume)"]
+    ok = True
+    for shard, ranks in figures.items():
+        for r in ranks:
+            m, f = r["measured"], r["formula"]
+            misses = [f"{k} {m[k]:,} vs {f[k]:,}" for k in f if k != "padding" and m[k] != f[k]]
+            ok = ok and not misses
+            calls = ", ".join(f"{k} x{v}" for k, v in sorted(r["calls"].items()))
+            lines.append(f"{SHARD_NAMES[shard]:14} {r['rank']:4d} {mib(m['parameters'])} {mib(m['master'])} "
+                         f"{mib(m['optimizer'])} {mib(m['step_gradients'])} {mib(m['peak'])} {f['padding']:8,d}  "
+                         f"{'MISS: ' + '; '.join(misses) if misses else 'exact':6} {calls} ({r['volume']:,} B)")
+    return lines, ok
+
+
+def sharded_rows(figures):
+    """The table's rows for ZeRO-1, ZeRO-2 and FSDP over RANKS, rank 0's measured figures."""
+    rows = []
+    for shard, ranks in figures.items():
+        if shard != "none":
+            m = ranks[0]["measured"]
+            rows.append((f"{SHARD_NAMES[shard]} over {RANKS} (rank 0)",
+                         dict(parameters=m["parameters"], buffers=m["buffers"], gradients=m["step_gradients"],
+                              optimizer=m["master"] + m["optimizer"], fp8_kept=m["fp8_kept"],
+                              activations=m["activations"]), "measured"))
+    return rows
+
+
 def technique_rows(cfg, device, opts, measure_runs=True):
     """[(technique, {component: bytes per GPU}, how)] for cfg's shape. how: "measured" when
     this project runs the technique (one ledger run on this machine), else "formula".
@@ -165,6 +242,8 @@ def technique_rows(cfg, device, opts, measure_runs=True):
     rows.append(row("sqrt checkpointing", replace(cur, ckpt="sqrt")))
     if cfg.attn == "manual":
         rows.append(row("selective checkpointing", replace(cur, ckpt="selective")))
+    if measure_runs:  # on CPU in RANKS processes, whatever the device: gloo, exact there
+        rows += sharded_rows(measure_ranks(cur))
     rows += [(name, c, "formula") for name, c in mp.parallel_rows(cur, opts.ranks, opts.tp, opts.pp, opts.cp)]
     return rows
 
@@ -258,6 +337,10 @@ def program(argv):
     print(f"\nfour components x techniques (per GPU, this config, precision {precision.recipe(cfg).name} "
           f"unless named):")
     print(report.format_table(table))
+    if opts.table == "measure":
+        rank_lines, ranks_ok = format_ranks(measure_ranks(replace(cfg, ckpt="none")))
+        print("\n" + "\n".join(rank_lines))
+        ok = ok and ranks_ok
     text, same = what_if_text(opts)
     print("\n" + text)
     print(f"\nwrote {path} and {path.with_suffix('.json').name} ({time.perf_counter() - started:.1f} s)")

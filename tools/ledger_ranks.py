@@ -26,7 +26,7 @@ from ledger import comm, measure  # noqa: E402
 from ledger import shard as ls  # noqa: E402
 from snapshot import write_atomically  # noqa: E402
 
-MEASURED = ("parameters", "buffers", "master", "optimizer", "step_gradients", "activations", "peak")
+MEASURED = ("parameters", "buffers", "master", "optimizer", "step_gradients", "fp8_kept", "activations", "peak")
 
 
 @dataclass
