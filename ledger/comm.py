@@ -30,7 +30,8 @@ def _nbytes(t):
 
 
 class Count:
-    """with Count() as c: ... ; c.calls is [(collective, whole tensor bytes)] in the order they ran."""
+    """with Count() as c: ... ; c.calls is [(collective, whole tensor bytes, its elements)] in the
+    order they ran."""
 
     def __init__(self):
         self.calls = []
@@ -54,7 +55,7 @@ class Count:
         @functools.wraps(fn)
         def counted(*args, **kwargs):
             whole = kwargs.get(keyword, args[position] if len(args) > position else None)
-            self.calls.append((name, _nbytes(whole)))
+            self.calls.append((name, _nbytes(whole), whole.numel()))
             return fn(*args, **kwargs)
         return counted
 
@@ -71,11 +72,15 @@ class Count:
 
     def kinds(self, start=0, end=None):
         """Counter of collective names among calls[start:end]."""
-        return Counter(name for name, _ in self.calls[start:end])
+        return Counter(name for name, *_ in self.calls[start:end])
 
     def volume(self, start=0, end=None):
         """Bytes moved by calls[start:end], in the paper's terms (all-reduce 2M, the others M)."""
-        return sum(FACTOR[name] * nbytes for name, nbytes in self.calls[start:end])
+        return sum(FACTOR[name] * nbytes for name, nbytes, _ in self.calls[start:end])
+
+    def elements(self, start=0, end=None):
+        """The same in elements, whatever their dtype: the paper counts Psi, parameters."""
+        return sum(FACTOR[name] * numel for name, _, numel in self.calls[start:end])
 
 
 def sent_per_rank(volume, world):

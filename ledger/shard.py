@@ -25,15 +25,43 @@ import zero
 from model import GPT
 
 
-def param_shapes(cfg):
+def param_shapes(cfg, blocks_only=False):
     """Each parameter's shape in model.GPT's order (built on the meta device: no memory); the
-    order decides which parameters a ZeRO slice cuts through, the first dimension how FSDP cuts."""
+    order decides which parameters a ZeRO slice cuts through, the first dimension how FSDP cuts.
+    blocks_only: the blocks' parameters (fsdp.py shards each block on its own, the rest as the root)."""
     with torch.device("meta"):
         model = GPT(cfg)
-    shapes = [tuple(p.shape) for p in model.parameters()]
-    assert sum(math.prod(s) for s in shapes) == ml.param_count(cfg)[0], \
-        "model.py and memory_ledger.py count different parameters"
+    shapes = [tuple(p.shape) for p in (model.h.parameters() if blocks_only else model.parameters())]
+    if not blocks_only:
+        assert sum(math.prod(s) for s in shapes) == ml.param_count(cfg)[0], \
+            "model.py and memory_ledger.py count different parameters"
     return shapes
+
+
+def fsdp_padded(shapes, world):
+    """Elements of one rank's FSDP shards of `shapes`: ceil(d0/N) rows of each, padding included."""
+    return sum(-(-s[0] // world) * (math.prod(s) // s[0]) for s in shapes)
+
+
+def step_elements(cfg, shard, world):
+    """Elements a step's collectives move, in the ZeRO paper's terms (ledger/comm.py: an all-reduce
+    counts twice), per rank; Psi = P parameters.
+      DDP     all-reduce of the gradient: 2 Psi
+      ZeRO    reduce-scatter of the gradient + all-gather of the weights, both padded flat
+              buffers, + the all-reduce of one FP64 squared norm: 2 (Psi + padding) + 2
+      FSDP    each block all-gathered in forward and again in backward, the root (embeddings, the
+              tied head, ln_f) once: FSDP2 keeps the root gathered from forward to backward; every
+              gradient reduce-scattered; padded per parameter; + the norm: 2 Psi_all + Psi_blocks + 2
+    The paper's 3 Psi for ZeRO-3 is the FSDP line with every parameter in a block."""
+    P = sum(math.prod(s) for s in param_shapes(cfg))
+    if shard == "none":
+        return 2 * P
+    if shard in zero.STAGES:
+        return 2 * (P + zero.Shards([P], world, 0).padding) + 2
+    if shard == "fsdp":
+        whole, blocks = (world * fsdp_padded(param_shapes(cfg, only), world) for only in (False, True))
+        return 2 * whole + blocks + 2
+    raise ValueError(f"no volume formula for shard={shard}")
 
 
 def rank_states(cfg, shard, world, rank):
@@ -65,7 +93,7 @@ def rank_states(cfg, shard, world, rank):
         # the reduce dtype) take the padded size; AdamW's m and v, made like the local shard, not
         rows = [-(-s[0] // world) for s in shapes]
         rest = [n // s[0] for n, s in zip(sizes, shapes)]
-        padded = sum(r * k for r, k in zip(rows, rest))
+        padded = fsdp_padded(shapes, world)
         mine = sum(max(0, min(r, s[0] - rank * r)) * k for r, s, k in zip(rows, shapes, rest))
         return dict(parameters=4 * padded, master=0, optimizer=8 * mine + step_counts * len(shapes),
                     step_gradients=4 * padded, padding=world * padded - P)

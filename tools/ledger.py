@@ -183,11 +183,14 @@ def format_ranks(figures):
         for r in ranks:
             m, f = r["measured"], r["formula"]
             misses = [f"{k} {m[k]:,} vs {f[k]:,}" for k in f if k != "padding" and m[k] != f[k]]
+            if r["elements"] != r["elements_formula"]:
+                misses.append(f"elements sent {r['elements']:,} vs {r['elements_formula']:,}")
             ok = ok and not misses
             calls = ", ".join(f"{k} x{v}" for k, v in sorted(r["calls"].items()))
             lines.append(f"{SHARD_NAMES[shard]:14} {r['rank']:4d} {mib(m['parameters'])} {mib(m['master'])} "
                          f"{mib(m['optimizer'])} {mib(m['step_gradients'])} {mib(m['peak'])} {f['padding']:8,d}  "
-                         f"{'MISS: ' + '; '.join(misses) if misses else 'exact':6} {calls} ({r['volume']:,} B)")
+                         f"{'MISS: ' + '; '.join(misses) if misses else 'exact':6} {calls} ({r['volume']:,} B, "
+                         f"{r['elements']:,} elements)")
     return lines, ok
 
 

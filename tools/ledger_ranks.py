@@ -47,7 +47,8 @@ def measure_shard(cfg, shard, rank, world):
     with comm.Count() as count:
         meas = measure.measure(run_model, parts, batch, device)
     return dict(rank=rank, measured={k: meas.get(k) for k in MEASURED},
-                formula=ls.rank_states(cfg, shard, world, rank), calls=dict(count.kinds()), volume=count.volume())
+                formula=ls.rank_states(cfg, shard, world, rank), calls=dict(count.kinds()), volume=count.volume(),
+                elements=count.elements(), elements_formula=ls.step_elements(cfg, shard, world))
 
 
 def program(argv):
