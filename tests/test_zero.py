@@ -208,3 +208,66 @@ def test_the_ledgers_sharded_rows_are_exact(ledger_ranks, run):
         assert figures["zero2"][0]["formula"]["padding"] == 1, "the odd shape's flat buffer has one padding element"
     else:  # the FP32 sums are whole on every rank: ZeRO-2 cannot release them
         assert grads["zero1"] == grads["zero2"] > grads["none"], f"gradients held in the step: {grads}"
+
+
+# ---------------------------------------------------------------- train.py: snapshots from sharded state
+
+RESUME_ARGS = ["--n_layer=2", "--n_embd=35", "--n_head=5", "--block_size=17", "--batch_size=2", "--accum=2",
+               "--precision=fp16", "--dropout=0.1", "--warmup_iters=0", "--lr_decay_iters=4", "--learning_rate=1e-2",
+               "--ledger=false", "--sample_tokens=0", "--eval_interval=1000", "--log_interval=1", "--device=cpu"]
+
+
+@pytest.fixture(scope="session")
+def resumed(tmp_path_factory):
+    """zero2 4 steps; zero2 2 steps, then resumed to 4 under zero2 and under DDP."""
+    import shutil
+    base = tmp_path_factory.mktemp("resume")
+    data = base / "data.txt"
+    data.write_bytes(b"".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n".encode() for i in range(2000)))
+    args = RESUME_ARGS + [f"--data={data}"]
+
+    def train(out, *extra):
+        r = torchrun(["train.py", *args, f"--out_dir={base / out}", *extra])
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return r
+    train("straight", "--shard=zero2", "--max_iters=4")
+    train("half", "--shard=zero2", "--max_iters=2")
+    shutil.copytree(base / "half", base / "half-ddp")
+    logs = dict(zero2=train("half", "--shard=zero2", "--max_iters=4", "--resume"),
+                ddp=train("half-ddp", "--shard=none", "--max_iters=4", "--resume"))
+    snap = {name: torch.load(base / name / "snapshot.pt", weights_only=True)
+            for name in ("straight", "half", "half-ddp")}
+    return snap, logs
+
+
+def same_state(a, b):
+    """[what differs] between two snapshots' model, master weights and AdamW moments."""
+    differ = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
+    differ += [f"master {i}" for i, (x, y) in enumerate(zip(a["optimizer"]["master_params"],
+                                                            b["optimizer"]["master_params"])) if not torch.equal(x, y)]
+    sa, sb = a["optimizer"]["adamw"]["state"], b["optimizer"]["adamw"]["state"]
+    differ += [f"AdamW {k} {name}" for k in sa for name in ("exp_avg", "exp_avg_sq", "step")
+               if not torch.equal(sa[k][name], sb[k][name])]
+    return differ
+
+
+def test_a_zero_snapshot_resumes_bit_exactly(resumed):
+    snap, _ = resumed
+    assert snap["half"]["step"] == snap["straight"]["step"] == 4
+    assert not (d := same_state(snap["straight"], snap["half"])), \
+        f"zero2: 2 steps + snapshot + resume + 2 steps differ from 4 straight steps in {d[:5]}"
+
+
+def test_zero_and_ddp_snapshots_are_one_format(resumed):
+    """DDP resumes a ZeRO snapshot, and its 2 more steps equal ZeRO's own (the runs are bit-identical:
+    test_zero_parameters_equal_ddps_bit_for_bit), so the snapshot held the same whole state."""
+    snap, _ = resumed
+    assert not (d := same_state(snap["straight"], snap["half-ddp"])), \
+        f"DDP resumed from zero2's snapshot (2 steps) differs from zero2's 4 straight steps in {d[:5]}"
+
+
+def test_sharded_runs_say_each_ranks_states(resumed):
+    _, logs = resumed
+    lines = [line for line in logs["zero2"].stdout.splitlines() if line.startswith("states per rank")]
+    assert len(lines) == 1 and "rank 0:" in lines[0] and "rank 1:" in lines[0] and "every DDP rank" in lines[0], \
+        logs["zero2"].stdout[-2000:]

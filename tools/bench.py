@@ -42,7 +42,7 @@ import memory_ledger  # noqa: E402
 from ledger import measure  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
-from config import UsageError, given, key  # noqa: E402
+from config import UsageError, given, key, validate  # noqa: E402
 from data import Batches, load_tokens, split_tokens  # noqa: E402
 from snapshot import check_writable, write_atomically  # noqa: E402
 
@@ -301,28 +301,43 @@ def run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_
             say(f"{'':9} MFU {fmt(row['mfu'], 'pct')} of {fmt(row['peak_flops'], 'tflops')} "
                 f"({row['peak_flops_source']}), eager mode", flush=True)
     if "ddp" in sections and dry:
-        planned += [ddp_flags(base, no_sync, steps, cfg.out_dir) for no_sync in ("true", "false")]
+        planned += [ddp_flags(base, no_sync, shard, steps, cfg.out_dir) for no_sync, shard in ddp_variants(cfg)]
     elif "ddp" in sections:
-        for row in ddp_rows(base, steps, cfg.out_dir):
+        for row in ddp_rows(base, ddp_variants(cfg), steps, cfg.out_dir):
             row["section"] = "ddp"
             rows.append(row)
-            say(f"ddp       {row['precision']:17} no_sync={str(row['no_sync']):5} nproc 2 accum 4 "
-                  f"{row['ms_per_step']:10.1f} ms/step {row['tokens_per_s']:12,.0f} tok/s", flush=True)
+            say(f"ddp       {row['precision']:17} shard={row['shard']:5} no_sync={str(row['no_sync']):5} nproc 2 "
+                f"accum 4 {row['ms_per_step']:10.1f} ms/step {row['tokens_per_s']:12,.0f} tok/s"
+                + (f"  x{row['vs_ddp']:.2f} DDP's time" if row.get("vs_ddp") else ""), flush=True)
     return rows
 
 
-def ddp_flags(base, no_sync, steps, out_dir):
-    return overridden(base, ["--accum=4", f"--no_sync={no_sync}", f"--max_iters={steps + 2}", "--log_interval=1",
-                             "--eval_interval=100000", "--sample_tokens=0", "--ledger=false",
+def ddp_variants(cfg):
+    """(no_sync, shard) pairs of the ddp section: DDP with and without no_sync, then ZeRO-1, ZeRO-2
+    and FSDP (where this config can run it: config.validate refuses FSDP with FP8 or FP32 sums)."""
+    variants = [("true", "none"), ("false", "none")]
+    for shard in ("zero1", "zero2", "fsdp"):
+        try:
+            validate(replace(cfg, shard=shard))
+            variants.append(("true", shard))
+        except UsageError:
+            pass
+    return variants
+
+
+def ddp_flags(base, no_sync, shard, steps, out_dir):
+    return overridden(base, ["--accum=4", f"--no_sync={no_sync}", f"--shard={shard}", f"--max_iters={steps + 2}",
+                             "--log_interval=1", "--eval_interval=100000", "--sample_tokens=0", "--ledger=false",
                              "--total_batch_tokens=0", f"--out_dir={Path(out_dir) / 'bench-ddp'}"])
 
 
-def ddp_rows(base, steps, out_dir):
-    """Step time on 2 processes (gloo on CPU) with accum=4, with and without no_sync."""
+def ddp_rows(base, variants, steps, out_dir):
+    """Step time on 2 processes (gloo on CPU) with accum=4: DDP with and without no_sync, and each
+    SHARD, one run after the other in this bench; vs_ddp = ms/step over DDP's (with no_sync)."""
     rows = []
-    for no_sync in ("true", "false"):
+    for no_sync, shard in variants:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-               *ddp_flags(base, no_sync, steps, out_dir)]
+               *ddp_flags(base, no_sync, shard, steps, out_dir)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, env=env)
         lines = [l for l in r.stdout.splitlines() if " ms/step" in l][2:]  # one line per step; 2 warm-up
@@ -332,8 +347,9 @@ def ddp_rows(base, steps, out_dir):
         tokens_per_step = int(re.search(r"= (\d+) tokens per optimizer step", r.stdout).group(1))
         tok = tokens_per_step / (ms / 1000)
         rows.append(dict(precision=next((a.split("=")[1] for a in base if a.startswith("--precision=")), "bf16"),
-                         ckpt="none", no_sync=no_sync == "true", nproc=2, accum=4, ms_per_step=ms,
-                         tokens_per_s=tok, mfu=None, peak_mem_bytes=None))
+                         ckpt="none", no_sync=no_sync == "true", shard=shard, nproc=2, accum=4, ms_per_step=ms,
+                         tokens_per_s=tok, mfu=None, peak_mem_bytes=None,
+                         vs_ddp=ms / rows[0]["ms_per_step"] if rows else 1.0))
     return rows
 
 

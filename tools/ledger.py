@@ -45,7 +45,7 @@ import fp8  # noqa: E402
 import memory_ledger as ml  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
-from config import RunError, UsageError, flags, given, key, validate  # noqa: E402
+from config import Config, RunError, UsageError, flags, given, key, validate  # noqa: E402
 from ledger import explain, measure, papers  # noqa: E402
 from ledger import parallel as mp  # noqa: E402
 from snapshot import check_writable, write_atomically  # noqa: E402
@@ -167,7 +167,8 @@ def _ranks_run(argv):
 def measure_ranks(cfg):
     """{shard: [each rank's measured and formula figures]}: tools/ledger_ranks.py under torchrun,
     RANKS gloo processes on CPU, the same shape (once per config and process)."""
-    cpu = replace(cfg, device="cpu", shard="none")
+    # one micro-batch, no output: the keys that change neither are left at their defaults (one run for them all)
+    cpu = replace(cfg, device="cpu", shard="none", accum=1, total_batch_tokens=0, out_dir=Config.out_dir)
     return _ranks_run(tuple(flags(cpu)) + (f"--shards={','.join(shards_for(cpu))}",))
 
 
