@@ -271,3 +271,20 @@ def test_sharded_runs_say_each_ranks_states(resumed):
     lines = [line for line in logs["zero2"].stdout.splitlines() if line.startswith("states per rank")]
     assert len(lines) == 1 and "rank 0:" in lines[0] and "rank 1:" in lines[0] and "every DDP rank" in lines[0], \
         logs["zero2"].stdout[-2000:]
+
+
+def test_fp8_scales_are_the_same_on_every_rank_under_zero(tmp_path):
+    """FP8's amax is max-reduced over the ranks once per step under ZeRO too (no DDP wrapper there:
+    accumulate.py's across_ranks), so every rank keeps one set of scales and one model."""
+    data = tmp_path / "data.txt"
+    data.write_bytes(b"".join(f"def f{i}(x):\n    return x * {i}\n".encode() for i in range(2000)))
+    args = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=4", "--max_iters=3",
+            "--accum=2", "--precision=fp8", "--shard=zero2", "--ledger=false", "--sample_tokens=0",
+            "--eval_interval=1000", "--device=cpu", f"--data={data}", f"--out_dir={tmp_path}"]
+    r = torchrun([Path(__file__).resolve().parent / "ddp_worker.py", "train", tmp_path, "--", *args])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    p0, p1 = (torch.load(tmp_path / f"train-rank{rank}.pt", weights_only=False)["params"] for rank in range(WORLD))
+    histories = [k for k in p0 if k.endswith("amax_history")]
+    assert histories and all(p0[k][0, :2].gt(0).all() for k in histories), "no amax was recorded"
+    differ = [k for k in p0 if not torch.equal(p0[k], p1[k])]
+    assert not differ, f"under zero2, rank 0 and rank 1 differ in {differ[:5]} (weights, amax histories, scales)"
