@@ -16,7 +16,7 @@ import torch
 
 import zero
 from ledger import comm
-from zero_worker import CASES, K, SHAPE, STEPS, key
+from zero_worker import CASES, K, SHAPE, key
 
 pytestmark = pytest.mark.xdist_group("test_zero")
 
@@ -200,8 +200,8 @@ def test_the_ledgers_sharded_rows_are_exact(ledger_ranks, run):
             assert not misses, f"{run}, {shard}, rank {r['rank']}: (measured, ledger/shard.py's formula) differ " \
                                f"for {misses}"
             assert r["elements"] == r["elements_formula"], \
-                f"{run}, {shard}, rank {r['rank']}: a step sent {r['elements']:,} elements, ledger/shard.step_elements " \
-                f"says {r['elements_formula']:,}"
+                f"{run}, {shard}, rank {r['rank']}: a step sent {r['elements']:,} elements, " \
+                f"ledger/shard.step_elements says {r['elements_formula']:,}"
     grads = {shard: ranks[0]["measured"]["step_gradients"] for shard, ranks in figures.items()}
     if run == "bf16":  # what ZeRO-2 adds to ZeRO-1: the whole gradient gone before the step
         assert grads["zero2"] < grads["none"] < grads["zero1"], f"gradients held in the step: {grads}"

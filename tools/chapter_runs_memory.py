@@ -65,8 +65,10 @@ def loss_over_k(device):
     model, parts = train.build(cfg, device)
     seen = []
     step = parts.optimizer.step
-    parts.optimizer.step = lambda grads=None, scale=1.0: (  # grads None: the parameters' .grad
-        seen.append([g.clone() for g in grads or [p.grad for p in parts.optimizer.model_params]]), step(grads, scale))[1]
+    def seeing(grads=None, scale=1.0):  # grads None: the parameters' .grad
+        seen.append([g.clone() for g in grads or [p.grad for p in parts.optimizer.model_params]])
+        return step(grads, scale)
+    parts.optimizer.step = seeing
     big, _ = train.build(cfg, device)
     big.load_state_dict(model.state_dict())
     accumulate.accumulation_step(model, parts, micro)
@@ -244,9 +246,10 @@ def communication_volume(device):
         sum(math.prod(s) for s in ls.param_shapes(cfg))
     ratio = {shard: elements[shard] / elements["none"] for shard in elements}
     same = all(abs(ratio[s] - 1) < 0.01 for s in ("zero1", "zero2"))
-    measured = (f"per step, in elements (bytes): DDP {elements['none']:,} ({volume['none']:,}), ZeRO-1 x{ratio['zero1']:.3f}, "
-                f"ZeRO-2 x{ratio['zero2']:.3f}, FSDP x{ratio['fsdp']:.3f} (x{volume['fsdp'] / volume['none']:.2f} in "
-                f"bytes: it reduce-scatters in FP32); the blocks hold {100 * blocks:.0f}% of the parameters")
+    measured = (f"per step, in elements (bytes): DDP {elements['none']:,} ({volume['none']:,}), "
+                f"ZeRO-1 x{ratio['zero1']:.3f}, ZeRO-2 x{ratio['zero2']:.3f}, FSDP x{ratio['fsdp']:.3f} "
+                f"(x{volume['fsdp'] / volume['none']:.2f} in bytes: it reduce-scatters in FP32); the blocks hold "
+                f"{100 * blocks:.0f}% of the parameters")
     if not exact:
         why = "a count differs from ledger/shard.step_elements: make ledger names which"
     elif not same:
