@@ -90,15 +90,17 @@ class Recompute(torch.autograd.Function):
     the re-run with autograd.grad. So the re-run, its RNG and autocast, the gradients' way out
     (returned through this node, where DDP's hooks and the FP32 buffers meet them) and the
     ledger's model of it (ledger/walk.py `_rerun`: one node) are each in one place. Its costs:
-      - the re-run runs the unit's last op too, which PyTorch's skips (a block's residual add and
-        MLP projection): time, not memory, since only the outputs' gradient edges are kept and
-        the outputs are freed at once (`rerun`);
+      - the re-run runs the unit's last ops too, which PyTorch's skips (a block's MLP projection
+        and residual add; a core's att @ V): time (FlopCounterMode, default shape: +7.6% of a
+        step's FLOPs with full, +3.7% sqrt, +2.3% selective), not memory, since only the
+        outputs' gradient edges are kept and the outputs are freed at once (`rerun`);
       - autograd holds a node's incoming gradient until its backward returns, so the unit's
         output gradient stays alive through the whole walk back through the re-run, where
         PyTorch's frees it after the unit's last op: one output-sized tensor more wherever the
-        step's peak falls later in the unit (the softmax backward: selective always, full and
-        sqrt at shapes whose attention backward, not the MLP's, is the peak). Only a design
-        like PyTorch's, the unit's own nodes receiving that gradient, avoids it.
+        step's peak falls later in the unit's backward (the softmax backward where that is the
+        peak: selective at the default shape, full and sqrt at shapes whose attention backward,
+        not the MLP's, is the peak; tests/test_checkpoint.py holds both to the byte). Only a
+        design like PyTorch's, the unit's own nodes receiving that gradient, avoids it.
     """
 
     @staticmethod
