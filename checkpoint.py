@@ -34,6 +34,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.utils.checkpoint
+from torch.autograd.graph import get_gradient_edge
 
 from config import UsageError
 from model import run_blocks_in_order, run_directly
@@ -80,6 +81,26 @@ class Recompute(torch.autograd.Function):
     FP32 gradient buffers see them as usual). Non-tensor args pass through untouched.
     `contexts`: (around the forward, around the re-run): what a precision needs there
     (precision.Recipe.recompute_contexts: TE's recompute flags, the FP8 weight a re-run uses).
+
+    What it does differently from torch.utils.checkpoint (non-reentrant; make bench's reference
+    row), and why. PyTorch's records the unit's own graph in the forward, through saved-tensor
+    hooks that keep nothing, and in backward re-runs the unit inside the first of its nodes to
+    need a saved tensor, stopping the re-run once the last saved tensor is made. Ours is one
+    node: the forward keeps the inputs, the backward re-runs the whole unit and differentiates
+    the re-run with autograd.grad. So the re-run, its RNG and autocast, the gradients' way out
+    (returned through this node, where DDP's hooks and the FP32 buffers meet them) and the
+    ledger's model of it (ledger/walk.py `_rerun`: one node) are each in one place. Its costs:
+      - the re-run runs the unit's last ops too, which PyTorch's skips (a block's MLP projection
+        and residual add; a core's att @ V): time (FlopCounterMode, default shape: +7.6% of a
+        step's FLOPs with full, +3.7% sqrt, +2.3% selective), not memory, since only the
+        outputs' gradient edges are kept and the outputs are freed at once (`rerun`);
+      - autograd holds a node's incoming gradient until its backward returns, so the unit's
+        output gradient stays alive through the whole walk back through the re-run, where
+        PyTorch's frees it after the unit's last op: one output-sized tensor more wherever the
+        step's peak falls later in the unit's backward (the softmax backward where that is the
+        peak: selective at the default shape, full and sqrt at shapes whose attention backward,
+        not the MLP's, is the peak; tests/test_checkpoint.py holds both to the byte). Only a
+        design like PyTorch's, the unit's own nodes receiving that gradient, avoids it.
     """
 
     @staticmethod
@@ -99,8 +120,12 @@ class Recompute(torch.autograd.Function):
             return fn(*args)
 
     @staticmethod
-    def rerun(ctx):
-        """(inputs, outputs): the forward again, on fresh leaves of the saved inputs, with grad on."""
+    def rerun(ctx, grad_outputs):
+        """(inputs, roots): the forward again, on fresh leaves of the saved inputs, with grad on.
+        roots: (gradient edge, incoming gradient) of each output that has both. Only the edges of the
+        re-run's outputs are kept, not the outputs: backward starts from an output's grad_fn and
+        never reads its values, so an output no node of the re-run saved is freed here, before the
+        walk back through the re-run (holding it would cost one output more than PyTorch's own)."""
         saved = iter(ctx.saved_tensors)
         inputs = []  # fresh leaves to differentiate
         for is_tensor, arg in zip(ctx.is_tensor, ctx.non_tensors):
@@ -121,16 +146,18 @@ class Recompute(torch.autograd.Function):
                                    for x in inputs))
         finally:
             set_rng_state(outer_rng, ctx.device)
-        return inputs, outputs if isinstance(outputs, tuple) else (outputs,)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        roots = [(get_gradient_edge(o), g) for o, g in zip(outputs, grad_outputs)
+                 if o.requires_grad and g is not None]
+        return inputs, roots
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        inputs, outputs = Recompute.rerun(ctx)
+        inputs, roots = Recompute.rerun(ctx, grad_outputs)
         wrt = [x for x in inputs if torch.is_tensor(x) and x.requires_grad] + \
               [p for p in ctx.params if p.requires_grad]
-        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                     if pairs and wrt else [None] * len(wrt))
+        grads = iter(torch.autograd.grad([e for e, _ in roots], wrt, [g for _, g in roots], allow_unused=True)
+                     if roots and wrt else [None] * len(wrt))
         input_grads = [next(grads) if torch.is_tensor(x) and x.requires_grad else None for x in inputs]
         param_grads = [next(grads) if p.requires_grad else None for p in ctx.params]
         return (None, None, None, *input_grads, *param_grads)

@@ -78,10 +78,9 @@ class GatheredRecompute(checkpoint.Recompute):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        inputs, outputs = checkpoint.Recompute.rerun(ctx)
-        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        inputs, roots = checkpoint.Recompute.rerun(ctx, grad_outputs)
+        if roots:
+            torch.autograd.backward([e for e, _ in roots], [g for _, g in roots])
         input_grads = [x.grad if torch.is_tensor(x) and x.requires_grad else None for x in inputs]
         return (None, None, None, *input_grads)
 

@@ -11,11 +11,12 @@ Under each recompute policy (checkpoint.py), as the Plan of its units:
   no unit    every block's saved tensors are alive when backward starts; each block frees
              its own as backward passes through it.
   core units the attention core's saved tensors come back for the length of its own
-             backward (checkpoint.Recompute re-runs it), with its recomputed output and the
-             incoming gradient held by the Recompute node until it returns.
+             backward (checkpoint.Recompute re-runs it), with the incoming gradient held by
+             the Recompute node until it returns (the recomputed output goes once made).
   block units only the unit inputs are alive; backward re-runs a unit's forward (every
              block of the unit saves everything again) and walks back through it, while
-             the unit's input, its recomputed output and incoming gradient stay held.
+             the unit's input and incoming gradient stay held (its recomputed output goes
+             once made: nothing saves a block's output).
 """
 from dataclasses import dataclass
 
@@ -90,7 +91,7 @@ def walk_step(model, sizes, plan, static, groups, master_grads, fp32_sums, shard
     scaled = g.scalar("loss x scale", weighted) if sizes.loss_scaled else weighted
     g.mark("end of forward")
     seed = g.new("backward: the loss gradient", "seed", 4)  # backward()'s ones_like(loss), held till it returns
-    g.backward([(scaled, seed)])
+    g.backward([(scaled.edge, seed)])
     del seed, scaled, weighted
     g.mark("backward done")
     if fp32_sums:  # accumulation_step adds the 16-bit gradients into the FP32 buffers first

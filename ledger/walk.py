@@ -70,6 +70,12 @@ class Tensor:
     def region(self):
         return self.storage.entry.region
 
+    @property
+    def edge(self):
+        """(node, index): where this tensor's gradient goes (torch's get_gradient_edge). Holding the
+        edge does not hold the storage: backward starts from it without the tensor's values."""
+        return self.node, self.index
+
     def view(self, nbytes=None, layout=None):
         """Another handle on the same storage (a view: no memory), with no gradient edge."""
         return Tensor(self.storage, self.nbytes if nbytes is None else nbytes, layout or self.layout)
@@ -285,9 +291,9 @@ class Graph:
         return Tensor(Storage(self.walk, entry))
 
     def backward(self, roots, wrt=()):
-        """Run backward from [(tensor, its gradient)] through the recorded Nodes; returns the
-        gradients that reach `wrt` (leaves, see `leaf`), in order."""
-        deps, stack, seen = {}, [t.node for t, _ in roots], set()
+        """Run backward from [(edge, its gradient)] (a Tensor's `edge`) through the recorded Nodes;
+        returns the gradients that reach `wrt` (leaves, see `leaf`), in order."""
+        deps, stack, seen = {}, [node for (node, _), _ in roots], set()
         while stack:  # how many edges point at each node: it runs when all have delivered
             node = stack.pop()
             if node is None or id(node) in seen:
@@ -298,10 +304,10 @@ class Graph:
                     deps[id(edge[0])] = deps.get(id(edge[0]), 0) + 1
                     stack.append(edge[0])
         buffers, ready = {}, []
-        for t, grad in roots:
-            self._deliver(buffers, (t.node, t.index), grad)
-            ready.append(t.node)
-        del t, grad  # the caller holds the roots' gradients for as long as backward runs
+        for edge, grad in roots:
+            self._deliver(buffers, edge, grad)
+            ready.append(edge[0])
+        del edge, grad  # the caller holds the roots' gradients for as long as backward runs
         heapq.heapify(ready)
         leaves = {id(t.node): i for i, t in enumerate(wrt)}
         found = [None] * len(wrt)
@@ -341,10 +347,12 @@ class Graph:
 def _rerun(g, node, grads):
     """checkpoint.Recompute.backward: fresh leaves on the saved inputs (views: no memory), fn run
     again with grad (FP8 reuses the kept weight copies), then backward through it from the
-    incoming gradient. Until it returns the node holds that gradient, the inputs and the
-    re-run's output; the inputs' gradients go on to the unit's producers."""
+    incoming gradient. Of the re-run's output only its edge is kept (Recompute.rerun): the output
+    goes as soon as it is made, unless a node of the re-run saved it. Until backward returns the
+    node holds the incoming gradient and the inputs; the inputs' gradients go on to the unit's
+    producers."""
     with g.enable_grad():
         leaves = [g.leaf(Tensor(storage, nbytes, layout)) for storage, (nbytes, layout)
                   in zip(node.saved, node.ctx["specs"])]
-        out = node.ctx["fn"](*leaves)
-    return g.backward([(out, grads[0])], wrt=leaves)
+        edge = node.ctx["fn"](*leaves).edge
+    return g.backward([(edge, grads[0])], wrt=leaves)

@@ -18,7 +18,7 @@ import checkpoint
 import memory_ledger
 import precision
 from config import Config, UsageError
-from ledger.measure import SavedBytes
+from ledger.measure import LiveTensors, SavedBytes
 from model import GPT, run_blocks_in_order
 from tools.demos import counted_step_flops
 
@@ -136,6 +136,48 @@ def assert_same(a, b):
         assert ga is not None and gb is not None, name
         assert ga.dtype == gb.dtype and torch.equal(ga, gb), \
             f"{name}: max |diff| {(ga.float() - gb.float()).abs().max().item():.3g}"
+
+
+# ---------------------------------------------------------------- the peak against PyTorch's own
+
+# two shapes (n_layer=4, vocab 16, so the blocks' backward is the peak): one whose peak falls in a
+# block's MLP backward, one whose peak falls in the attention's softmax backward
+MLP_PEAK = dict(n_layer=4, n_embd=64, n_head=2, block_size=32, vocab_size=16, batch=4)
+CORE_PEAK = dict(n_layer=4, n_embd=16, n_head=2, block_size=64, vocab_size=16, batch=2)
+
+
+def peak_added(model, x, y):
+    """Bytes a forward and backward add at their highest, every storage counted op by op."""
+    tracker = LiveTensors("cpu")
+    with tracker:
+        tracker.adopt([*model.parameters(), *model.buffers(), x, y])
+        tracker.reset_peak()
+        start = tracker.read()
+        _, loss = model(x, y)
+        loss.backward()
+    return tracker.peak - start
+
+
+@pytest.mark.parametrize("policy, shape, held", [
+    ("full", MLP_PEAK, 0), ("sqrt", MLP_PEAK, 0),
+    ("full", CORE_PEAK, 1), ("sqrt", CORE_PEAK, 1), ("selective", CORE_PEAK, 1)])
+def test_our_peak_is_pytorchs_but_for_the_held_output_gradient(policy, shape, held):
+    # ours keeps only its re-run outputs' gradient edges (Recompute.rerun): holding a re-run output
+    # through the walk back costs one b*s*h tensor more than torch.utils.checkpoint wherever the peak is.
+    # What ours does hold more (Recompute's docstring): the unit's output gradient, until its backward
+    # returns, so exactly one of them more where the peak falls after PyTorch's would free it
+    shape = dict(shape)
+    b = shape.pop("batch")
+    x, y = batch(vocab=shape["vocab_size"], b=b, t=shape["block_size"])
+    peaks = {}
+    for who, fn in (("ours", checkpoint.recompute), ("torch", checkpoint.torch_recompute)):
+        torch.manual_seed(0)
+        config = Config(**shape, ckpt=policy)
+        peaks[who] = peak_added(checkpoint.apply_policy(GPT(config), checkpoint.policy(config), recompute_fn=fn), x, y)
+    gradient = b * shape["block_size"] * shape["n_embd"] * 4  # one FP32 b*s*h tensor
+    assert peaks["ours"] - peaks["torch"] == held * gradient, \
+        f"peak ours {peaks['ours']:,} vs torch's {peaks['torch']:,} bytes: " \
+        f"{(peaks['ours'] - peaks['torch']) / gradient:+g} b*s*h tensors, {held} expected"
 
 
 # ---------------------------------------------------------------- exactness
