@@ -32,21 +32,24 @@ def torchrun(args, timeout=180):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def launch(tmp_path_factory, mode):
-    out = tmp_path_factory.mktemp(mode)
-    r = torchrun([WORKER, mode, out])
+@pytest.fixture(scope="session")
+def launched(tmp_path_factory):
+    """One torchrun launch of the worker's cases and overflow runs: {mode: [rank 0's, rank 1's]}."""
+    out = tmp_path_factory.mktemp("zero")
+    r = torchrun([WORKER, "all", out])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [torch.load(out / f"{mode}-rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    return {mode: [torch.load(out / f"{mode}-rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+            for mode in ("cases", "overflow")}
 
 
 @pytest.fixture(scope="session")
-def cases(tmp_path_factory):
-    return launch(tmp_path_factory, "cases")
+def cases(launched):
+    return launched["cases"]
 
 
 @pytest.fixture(scope="session")
-def overflow(tmp_path_factory):
-    return launch(tmp_path_factory, "overflow")
+def overflow(launched):
+    return launched["overflow"]
 
 
 def case_ids():
@@ -151,11 +154,13 @@ def test_an_overflow_in_one_ranks_slice_skips_the_step_on_every_rank(overflow, s
             f"rank {rank} ({shard}): the loss scale went {[s['scale'] for s in steps]}; it must back off on every rank"
 
 
-def test_one_process_is_refused_in_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", "--shard=zero2", "--device=cpu", f"--out_dir={tmp_path}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "torchrun" in r.stderr and "make ddp NPROC=2 SHARD=zero2" in r.stderr, r.stderr
+def test_one_process_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    import train
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert train.main(["--shard=zero2", "--device=cpu", f"--out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "torchrun" in err and "make ddp NPROC=2 SHARD=zero2" in err, err
 
 
 def test_count_sees_every_collective_we_call():
@@ -212,32 +217,37 @@ def test_the_ledgers_sharded_rows_are_exact(ledger_ranks, run):
 
 # ---------------------------------------------------------------- train.py: snapshots from sharded state
 
-RESUME_ARGS = ["--n_layer=2", "--n_embd=35", "--n_head=5", "--block_size=17", "--batch_size=2", "--accum=2",
-               "--precision=fp16", "--dropout=0.1", "--warmup_iters=0", "--lr_decay_iters=4", "--learning_rate=1e-2",
+# FP8 (BF16 weights, amax max-reduced over the ranks) with dropout: the state a resume must carry
+RESUME_ARGS = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--accum=2",
+               "--precision=fp8", "--dropout=0.1", "--warmup_iters=0", "--lr_decay_iters=4", "--learning_rate=1e-2",
                "--ledger=false", "--sample_tokens=0", "--eval_interval=1000", "--log_interval=1", "--device=cpu"]
 
 
 @pytest.fixture(scope="session")
 def resumed(tmp_path_factory):
-    """zero2 4 steps; zero2 2 steps, then resumed to 4 under zero2 and under DDP."""
+    """train.py under torchrun (tests/ddp_worker.py's train mode keeps each rank's model): zero2 4 steps;
+    zero2 2 steps (its snapshot kept), then resumed to 4."""
     import shutil
     base = tmp_path_factory.mktemp("resume")
     data = base / "data.txt"
     data.write_bytes(b"".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n".encode() for i in range(2000)))
-    args = RESUME_ARGS + [f"--data={data}"]
+    worker = Path(__file__).resolve().parent / "ddp_worker.py"
 
     def train(out, *extra):
-        r = torchrun(["train.py", *args, f"--out_dir={base / out}", *extra])
+        r = torchrun([worker, "train", base / out, "--", *RESUME_ARGS, f"--data={data}", f"--out_dir={base / out}",
+                      *extra])
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         return r
     train("straight", "--shard=zero2", "--max_iters=4")
     train("half", "--shard=zero2", "--max_iters=2")
-    shutil.copytree(base / "half", base / "half-ddp")
-    logs = dict(zero2=train("half", "--shard=zero2", "--max_iters=4", "--resume"),
-                ddp=train("half-ddp", "--shard=none", "--max_iters=4", "--resume"))
-    snap = {name: torch.load(base / name / "snapshot.pt", weights_only=True)
-            for name in ("straight", "half", "half-ddp")}
-    return snap, logs
+    shutil.copy(base / "half" / "snapshot.pt", base / "half.pt")
+    logs = dict(zero2=train("half", "--shard=zero2", "--max_iters=4", "--resume"))
+    snap = {name: torch.load(path, weights_only=True) for name, path in (
+        ("straight", base / "straight" / "snapshot.pt"), ("half", base / "half" / "snapshot.pt"),
+        ("at 2", base / "half.pt"))}
+    ranks = [torch.load(base / "straight" / f"train-rank{rank}.pt", weights_only=False)["params"]
+             for rank in range(WORLD)]
+    return snap, logs, ranks
 
 
 def same_state(a, b):
@@ -252,38 +262,40 @@ def same_state(a, b):
 
 
 def test_a_zero_snapshot_resumes_bit_exactly(resumed):
-    snap, _ = resumed
+    snap, _, _ = resumed
     assert snap["half"]["step"] == snap["straight"]["step"] == 4
     assert not (d := same_state(snap["straight"], snap["half"])), \
         f"zero2: 2 steps + snapshot + resume + 2 steps differ from 4 straight steps in {d[:5]}"
 
 
 def test_zero_and_ddp_snapshots_are_one_format(resumed):
-    """DDP resumes a ZeRO snapshot, and its 2 more steps equal ZeRO's own (the runs are bit-identical:
-    test_zero_parameters_equal_ddps_bit_for_bit), so the snapshot held the same whole state."""
-    snap, _ = resumed
-    assert not (d := same_state(snap["straight"], snap["half-ddp"])), \
-        f"DDP resumed from zero2's snapshot (2 steps) differs from zero2's 4 straight steps in {d[:5]}"
+    """A ZeRO snapshot is DDP's: a DDP rank's optimizer (one process here, rank 0 of 2) restores it
+    and gives back the same state, every master weight and AdamW moment."""
+    import snapshot
+    import train
+    from config import parse_args
+    from data import Batches
+    snap, _, _ = resumed
+    saved = snap["at 2"]
+    cfg = parse_args(RESUME_ARGS + ["--shard=none"])
+    model, parts = train.build(cfg, torch.device("cpu"))
+    batches = Batches(torch.zeros(4096, dtype=torch.uint8), cfg.block_size, cfg.batch_size, 0, torch.device("cpu"))
+    assert snapshot.restore(saved, model, parts, batches, 0, WORLD, torch.device("cpu")) == 2
+    again = dict(model=model.state_dict(), optimizer=parts.optimizer.state_dict())
+    assert not (d := same_state(saved, again)), f"DDP's optimizer restored zero2's snapshot as something else: {d[:5]}"
 
 
 def test_sharded_runs_say_each_ranks_states(resumed):
-    _, logs = resumed
+    _, logs, _ = resumed
     lines = [line for line in logs["zero2"].stdout.splitlines() if line.startswith("states per rank")]
     assert len(lines) == 1 and "rank 0:" in lines[0] and "rank 1:" in lines[0] and "every DDP rank" in lines[0], \
         logs["zero2"].stdout[-2000:]
 
 
-def test_fp8_scales_are_the_same_on_every_rank_under_zero(tmp_path):
+def test_fp8_scales_are_the_same_on_every_rank_under_zero(resumed):
     """FP8's amax is max-reduced over the ranks once per step under ZeRO too (no DDP wrapper there:
     accumulate.py's across_ranks), so every rank keeps one set of scales and one model."""
-    data = tmp_path / "data.txt"
-    data.write_bytes(b"".join(f"def f{i}(x):\n    return x * {i}\n".encode() for i in range(2000)))
-    args = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=4", "--max_iters=3",
-            "--accum=2", "--precision=fp8", "--shard=zero2", "--ledger=false", "--sample_tokens=0",
-            "--eval_interval=1000", "--device=cpu", f"--data={data}", f"--out_dir={tmp_path}"]
-    r = torchrun([Path(__file__).resolve().parent / "ddp_worker.py", "train", tmp_path, "--", *args])
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    p0, p1 = (torch.load(tmp_path / f"train-rank{rank}.pt", weights_only=False)["params"] for rank in range(WORLD))
+    _, _, (p0, p1) = resumed
     histories = [k for k in p0 if k.endswith("amax_history")]
     assert histories and all(p0[k][0, :2].gt(0).all() for k in histories), "no amax was recorded"
     differ = [k for k in p0 if not torch.equal(p0[k], p1[k])]

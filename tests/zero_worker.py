@@ -2,6 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/zero_worker.py cases OUT
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/zero_worker.py overflow OUT
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/zero_worker.py all OUT   (both)
 
 "cases": the same batches through DDP, ZeRO-1 and ZeRO-2 for each precision, with and without
 clipping and FP32 gradient sums; per case the parameters after STEPS optimizer steps, what each
@@ -101,6 +102,7 @@ if __name__ == "__main__":
     mode, out_dir = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.save(dict(cases=cases, overflow=overflow)[mode](rank, world), out_dir / f"{mode}-rank{rank}.pt")
+    for name in ("cases", "overflow") if mode == "all" else (mode,):  # "all": one launch for both
+        torch.save(dict(cases=cases, overflow=overflow)[name](rank, world), out_dir / f"{name}-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
