@@ -97,7 +97,7 @@ sample: $(DEPS)
 # two pytest workers (pytest-xdist) where the interpreter has it: CI's two cores, one thread
 # each (tests/conftest.py); an interpreter given as PYTHON without it runs the suite in one
 test: $(DEPS)
-	$(PY) -m pytest -q $$($(PY) -c 'import xdist' 2>/dev/null && printf -- '-n 2 --dist loadgroup') tests
+	$(PY) -m pytest -q $$($(PY) -c 'import xdist' 2>/dev/null && printf -- '-n 2 --dist loadfile') tests
 
 bench: $(DEPS)
 	$(PY) tools/bench.py $(FLAGS)

@@ -22,10 +22,8 @@ from config import parse_args
 from conftest import merged
 from ddp_worker import CASES, K, STEPS, B, make_batches, rank_slice, record_grads, seed_of, tiny_config
 
-# make test gives this whole file to one xdist worker (--dist loadgroup), and its fixtures are
-# session-wide (a worker runs other files' tests in between, which would end a module's):
-# its torchrun fixtures run once per module
-pytestmark = pytest.mark.xdist_group("test_accumulate")
+# make test gives each file to one xdist worker (--dist loadfile), and the fixtures here are
+# session-wide: a worker runs other files' tests in between, which would end a module's
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"

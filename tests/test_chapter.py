@@ -6,10 +6,8 @@ import pytest
 
 from tools import chapter
 
-# make test gives this whole file to one xdist worker (--dist loadgroup), and its fixtures are
-# session-wide (a worker runs other files' tests in between, which would end a module's):
-# the chapter runs once
-pytestmark = pytest.mark.xdist_group("test_chapter")
+# make test gives each file to one xdist worker (--dist loadfile), and the fixtures here are
+# session-wide: a worker runs other files' tests in between, which would end a module's
 
 # claims whose verdict may differ on a CPU, and the reason each must then give
 MAY_DIFFER = {

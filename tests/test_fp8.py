@@ -25,10 +25,8 @@ from config import parse_args
 from conftest import ROOT, merged
 from fp8 import E4M3, E5M2, FP8Linear
 
-# make test gives this whole file to one xdist worker (--dist loadgroup), and its fixtures are
-# session-wide (a worker runs other files' tests in between, which would end a module's):
-# the BF16 run every FP8 run is compared with is made once
-pytestmark = pytest.mark.xdist_group("test_fp8")
+# make test gives each file to one xdist worker (--dist loadfile), and the fixtures here are
+# session-wide: a worker runs other files' tests in between, which would end a module's
 
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=8", "--warmup_iters=5",
         "--learning_rate=3e-3", "--eval_interval=100000", "--log_interval=100000", "--sample_tokens=0",

@@ -19,8 +19,6 @@ from config import UsageError, parse_args
 from ddp_worker import make_batches, tiny_config
 from fsdp_worker import B, K, Stream
 
-pytestmark = pytest.mark.xdist_group("test_fsdp")
-
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 WORLD = 2

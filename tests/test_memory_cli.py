@@ -11,9 +11,6 @@ from conftest import ROOT
 from tools import ledger as tool
 from tools import ledger_report
 
-# one xdist worker for the file: tools/ledger.py's 2-process sharded run is measured once per process and config
-pytestmark = pytest.mark.xdist_group("test_memory_cli")
-
 TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--seed=3"]
 
 

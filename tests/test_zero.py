@@ -18,8 +18,6 @@ import zero
 from ledger import comm
 from zero_worker import CASES, K, SHAPE, key
 
-pytestmark = pytest.mark.xdist_group("test_zero")
-
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "zero_worker.py"
 WORLD = 2
