@@ -2,12 +2,13 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/zero_worker.py cases OUT
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/zero_worker.py overflow OUT
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/zero_worker.py all OUT   (both)
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/zero_worker.py all OUT   (every mode)
 
 "cases": the same batches through DDP, ZeRO-1 and ZeRO-2 for each precision, with and without
 clipping and FP32 gradient sums; per case the parameters after STEPS optimizer steps, what each
 step returned, the collectives each phase issued (ledger/comm.Count) and this rank's state bytes.
 "overflow": FP16, an inf planted in rank 1's gradient where only rank 1's slice holds it.
+"fp8": native FP8 through DDP and ZeRO-2, each rank's whole model state (amax histories too).
 Each rank writes OUT/<mode>-rank<r>.pt.
 """
 import sys
@@ -98,11 +99,29 @@ def overflow(rank, world):
     return out
 
 
+def fp8(rank, world):
+    """FP8 (native, delayed scaling) through DDP and ZeRO-2: each rank's model state after 2 steps,
+    amax histories and scales included."""
+    out = {}
+    for shard in ("none", "zero2"):
+        cfg = tiny_config(n_layer=2, n_embd=32, n_head=2, block_size=16, precision="fp8", shard=shard)
+        model, parts = train.build(cfg, torch.device("cpu"))
+        run = train.wrap_ddp(model, torch.device("cpu")) if shard == "none" else model
+        batches = make_batches(3, 2 * world * K, B, cfg.block_size)
+        for step in range(2):
+            first = (step * world + rank) * K
+            accumulate.accumulation_step(run, parts, batches[first:first + K])
+        out[shard] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        del run
+    return out
+
+
 if __name__ == "__main__":
     mode, out_dir = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    for name in ("cases", "overflow") if mode == "all" else (mode,):  # "all": one launch for both
-        torch.save(dict(cases=cases, overflow=overflow)[name](rank, world), out_dir / f"{name}-rank{rank}.pt")
+    modes = dict(cases=cases, overflow=overflow, fp8=fp8)
+    for name in modes if mode == "all" else (mode,):  # "all": one launch for every mode
+        torch.save(modes[name](rank, world), out_dir / f"{name}-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
