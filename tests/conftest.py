@@ -39,6 +39,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_fp8)
 
 
+def torchrun(args, world=2, timeout=180):
+    """`python -m torch.distributed.run --standalone --nproc_per_node=world ARGS` from the repo root,
+    one thread per rank: two ranks on two cores, and no oversubscription stalls."""
+    import subprocess
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def merged(*flags):
     """One list of --key=value flags where a later flag replaces an earlier one with the same key
     (the programs refuse a key given twice)."""

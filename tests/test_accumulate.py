@@ -19,7 +19,7 @@ import accumulate
 import snapshot
 import train
 from config import parse_args
-from conftest import merged
+from conftest import merged, torchrun
 from ddp_worker import CASES, K, STEPS, B, make_batches, rank_slice, record_grads, seed_of, tiny_config
 
 # make test gives each file to one xdist worker (--dist loadfile), and the fixtures here are
@@ -28,13 +28,6 @@ from ddp_worker import CASES, K, STEPS, B, make_batches, rank_slice, record_grad
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
 WORLD = 2
-
-
-def torchrun(args, timeout=120):
-    # one thread per rank: two ranks on two cores, and no oversubscription stalls
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_train_py(args, timeout=60):

@@ -5,9 +5,6 @@ of train.py --shard=fsdp checks the command line. The oracles: the same run with
 (recompute), DDP on the same batches (parity), one process on the big batch (accumulation),
 the run without a snapshot (resume), and the gradient gathered whole (the norm).
 """
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +13,10 @@ import torch
 import snapshot
 import train
 from config import UsageError, parse_args
+from conftest import torchrun
 from ddp_worker import make_batches, tiny_config
 from fsdp_worker import B, K, Stream
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 WORLD = 2
 # FSDP vs DDP, FP32, 3 steps of K=3 micro-steps on 2 ranks: measured max |difference| of any parameter 0.0
@@ -28,12 +25,6 @@ FP32_PARITY = 1e-6
 # BF16/FP16: FSDP's FP32 shards start unrounded, DDP's master copy starts from 16-bit weights, and the 16-bit
 # compute differs with it: measured |loss difference| <= 2.6e-4 (BF16) and 2.4e-5 (FP16) over 3 steps
 LOSS_TRACKS = 2e-3
-
-
-def torchrun(args, timeout=180):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="session")

@@ -6,9 +6,6 @@ micro-steps send nothing and the step one reduce-scatter and one all-gather; one
 decision and one clipping norm for all ranks; each rank holding 1/N of the master copy and
 AdamW's states, padding included; snapshots in DDP's format that resume bit-exactly.
 """
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,18 +13,12 @@ import torch
 
 import zero
 from ledger import comm
+from conftest import torchrun
 from zero_worker import CASES, K, SHAPE, key
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "zero_worker.py"
 WORLD = 2
 SHARDS = ("zero1", "zero2")
-
-
-def torchrun(args, timeout=180):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="session")
