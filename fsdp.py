@@ -28,7 +28,6 @@ read it; loading it cuts each tensor into this rank's shard again.
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 
 try:  # public since torch 2.6; an older torch runs every SHARD but this one (apply_fsdp says so)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -37,7 +36,7 @@ except ImportError:
     fully_shard = DTensor = None
 
 import checkpoint
-import precision
+import zero
 
 
 def apply_fsdp(model, recipe):
@@ -96,24 +95,16 @@ def recompute(fn, *args, params=(), contexts=None):
 
 # ---------------------------------------------------------------- the optimizer on the shards
 
-class ShardOptimizer(precision.MasterWeightOptimizer):
+class ShardOptimizer(zero.SliceOptimizer):
     """precision.MasterWeightOptimizer on this rank's FP32 shards (DTensors), which are the master
     weights: AdamW steps them in place (no master copy, no copy down). master_weights says whether
-    the run's precision has master weights, for the snapshot's format only."""
+    the run's precision has master weights, for the snapshot's format only. Its norm is zero.py's:
+    each rank's squared shard norms (precision.squared_sum takes a DTensor's local shard), summed over
+    the ranks, so every rank skips an overflowing step and clips by the same factor."""
 
     def __init__(self, params, master_weights, lr, **adamw):
         super().__init__(params, False, lr, **adamw)  # the shards are FP32: they are the masters
         self.master_weights = master_weights  # master_params is model_params: step copies nothing
-
-    def global_norm(self, grads):
-        """The norm of the whole gradient: each rank's squared shard norms, summed over the ranks.
-        (DTensor's own vector_norm of Shard(0) gradients gives the same, all-reduced; spelt out here
-        as zero.py does, with the squares in FP64.) Every rank gets the same value, so every rank
-        skips an overflowing step and clips by the same factor."""
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        squares = precision.squared_sum(local)  # FP64, as zero.py and precision.py sum them
-        dist.all_reduce(squares)
-        return squares.sqrt().float()
 
     def state_dict(self):
         """MasterWeightOptimizer.state_dict()'s format for the whole model (a collective: every rank

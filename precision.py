@@ -216,6 +216,7 @@ def squared_sum(grads):
     whole gradient (DDP) and its slices over N ranks (zero.py) give the same FP32 norm, and
     clipping by it the same weights, bit for bit (summed in FP32 they differ in the last bit,
     and Adam's steps carry that on). Chunked, so the FP64 copy of the input stays small."""
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # a DTensor: this rank's shard (fsdp.py)
     chunks = [c for g in grads for c in g.reshape(-1).split(NORM_CHUNK)]
     return torch.stack(torch._foreach_norm(chunks, 2, dtype=torch.float64)).square().sum()
 

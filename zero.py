@@ -102,10 +102,11 @@ class ShardedOptimizer:
         self.shards = Shards([p.numel() for p in self.model_params], self.world, self.rank)
         self.flat = flatten(self.model_params, self.shards.padding)
         self.my_slice = self.flat[self.shards.start:self.shards.start + self.shards.size]
+        self.pieces = self.shards.pieces()
         # one leaf view of my slice per parameter it overlaps: the slice optimizer's "model parameters"
-        pieces = [self.my_slice[at:at + n].detach().requires_grad_(True) for _, _, at, n in self.shards.pieces()]
-        self.slice = SliceOptimizer(pieces, master_weights, lr, weight_decay, betas, grad_clip,
-                                    decay=[self.model_params[i].dim() >= 2 for i, *_ in self.shards.pieces()])
+        views = [self.my_slice[at:at + n].detach().requires_grad_(True) for _, _, at, n in self.pieces]
+        self.slice = SliceOptimizer(views, master_weights, lr, weight_decay, betas, grad_clip,
+                                    decay=[self.model_params[i].dim() >= 2 for i, *_ in self.pieces])
         self.master_params, self.adamw = self.slice.master_params, self.slice.adamw
         self.grad_slice = None  # this step's reduced gradient slice, until zero_grad (the ledger reads it)
 
@@ -130,7 +131,7 @@ class ShardedOptimizer:
         self.grad_slice = flat_grad.new_empty(self.shards.size)
         dist.reduce_scatter_tensor(self.grad_slice, flat_grad)
         del flat_grad
-        piece_grads = [self.grad_slice[at:at + n] for _, _, at, n in self.shards.pieces()]
+        piece_grads = [self.grad_slice[at:at + n] for _, _, at, n in self.pieces]
         stepped, grad_norm = self.slice.step(piece_grads, loss_scale)
         if stepped:  # every rank decided alike (the norm is global): all of them gather, or none
             dist.all_gather_into_tensor(self.flat, self.my_slice)
@@ -149,41 +150,35 @@ class ShardedOptimizer:
 
     def _order(self):
         """The model parameters' indices in MasterWeightOptimizer's AdamW order: matrices first."""
-        params = self.model_params
-        return [i for i, p in enumerate(params) if p.dim() >= 2] + [i for i, p in enumerate(params) if p.dim() < 2]
+        return _decayed_first([p.dim() >= 2 for p in self.model_params])
 
     def _slice_order(self):
-        """Positions in shards.pieces() in the slice AdamW's order (decayed pieces first)."""
-        pieces = self.shards.pieces()
-        decayed = [self.model_params[i].dim() >= 2 for i, *_ in pieces]
-        return [k for k, d in enumerate(decayed) if d] + [k for k, d in enumerate(decayed) if not d]
+        """Positions in self.pieces in the slice AdamW's order (the same rule, per piece)."""
+        return _decayed_first([self.model_params[i].dim() >= 2 for i, *_ in self.pieces])
 
     def _gather_flat(self, pieces):
         """My slice's FP32 pieces end to end (the padding as zeros), gathered on rank 0 into the
         whole flat buffer, split per parameter; None on the other ranks. A collective."""
         mine = torch.zeros(self.shards.size, dtype=torch.float32, device=self.flat.device)
-        for (_, _, at, n), t in zip(self.shards.pieces(), pieces):
+        for (_, _, at, n), t in zip(self.pieces, pieces):
             mine[at:at + n] = t.detach().reshape(-1)
         full = [torch.empty_like(mine) for _ in range(self.world)] if self.rank == 0 else None
         dist.gather(mine, full, dst=0)
         if full is None:
             return None
-        flat = torch.cat(full)
-        return [t.view_as(p).clone().cpu() for t, p in
-                zip(flat.split(self.shards.sizes + [self.shards.padding])[:-1] if self.shards.padding
-                    else flat.split(self.shards.sizes), self.model_params)]
+        whole = torch.cat(full)[:sum(self.shards.sizes)]  # the padding is no parameter's
+        return [t.view_as(p).clone().cpu() for t, p in zip(whole.split(self.shards.sizes), self.model_params)]
 
     def state_dict(self):
         """The state MasterWeightOptimizer.state_dict() of one DDP rank would give (every rank
         calls it; rank 0 gets it, the others None), so a ZeRO snapshot is an ordinary snapshot:
         it resumes under DDP, ZeRO-1 or ZeRO-2 alike."""
-        pieces = self.shards.pieces()
         masters = self._gather_flat(self.master_params)  # the slice's FP32 master, or its FP32 parameters
         state = self.adamw.state
         moments = {}
         for name in ("exp_avg", "exp_avg_sq"):
             by_piece = [state[m][name] if m in state else torch.zeros(n, device=self.flat.device)
-                        for m, (_, _, _, n) in zip(self.master_params, pieces)]
+                        for m, (_, _, _, n) in zip(self.master_params, self.pieces)]
             moments[name] = self._gather_flat(by_piece)
         steps = [state[m]["step"] for m in self.master_params if m in state]
         if self.rank != 0:
@@ -206,7 +201,7 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state):
         """Take my slice of a whole-model optimizer state (state_dict's format, DDP's too)."""
-        pieces = self.shards.pieces()
+        pieces = self.pieces
         with torch.no_grad():
             for m, (i, first, _, n) in zip(self.master_params if self.master_weights else [], pieces):
                 m.copy_(state["master_params"][i].reshape(-1)[first:first + n])
@@ -219,11 +214,13 @@ class ShardedOptimizer:
             if entry is not None:
                 mine[k] = {name: (v.reshape(-1)[first:first + n].clone() if name != "step" else v.clone())
                            for name, v in entry.items()}
-        groups = [dict(g, params=list(ids)) for g, ids in
-                  zip(saved["param_groups"], _split(len(self.adamw.param_groups[0]["params"]),
-                                                    len(self.adamw.param_groups[1]["params"])))]
+        # the saved groups' hyperparameters, with the ids of my slice's AdamW
+        groups = [dict(g, params=own["params"]) for g, own in
+                  zip(saved["param_groups"], self.adamw.state_dict()["param_groups"])]
         self.adamw.load_state_dict(dict(state=mine, param_groups=groups))
 
 
-def _split(a, b):
-    return range(a), range(a, a + b)
+def _decayed_first(decayed):
+    """Indices of `decayed` with the True ones first: the order MasterWeightOptimizer's two AdamW
+    groups (weight decay, none) number their parameters in."""
+    return [k for k, d in enumerate(decayed) if d] + [k for k, d in enumerate(decayed) if not d]
