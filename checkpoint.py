@@ -1,8 +1,9 @@
-"""Activation checkpointing (recomputation) by hand: a recompute autograd Function and the
-policies that decide what it recomputes.
+"""Activation checkpointing (recomputation) by hand: saved-tensor hooks that keep nothing, a
+node that re-runs the unit in backward, and the policies that decide what it recomputes.
 
-Chapter section 3. Read first: `Recompute` (keep the inputs, drop the internals, re-run in
-backward), then the policies (each one class: which units it recomputes), then `apply_policy`.
+Chapter section 3. Read first: `recompute` (the forward keeps slot numbers, not tensors), then
+`Unit` (what a re-run files for each slot), then `Rerun` (the node that re-runs), then the
+policies (each one class: which units it recomputes), then `apply_policy`.
 
 Policies (CKPT=), one class each in POLICIES:
   none       autograd saves every activation of every block.
@@ -23,7 +24,8 @@ be asked for, and a new one is one class (tests/test_checkpoint.py defines one i
 every other block).
 
 Cost: a recomputed unit runs its forward twice, so `full` adds one forward of the
-blocks, about +33% of a step (forward 1 unit of work, backward 2).
+blocks, about +33% of a step (forward 1 unit of work, backward 2), less the ops after the
+last tensor a unit saves, which its re-run skips (`recompute_flops_per_token`).
 `make flops` (tools/demos.py) counts it with FlopCounterMode for each policy.
 
 Model save/resume is called a *snapshot* in this project (snapshot.py), never a checkpoint.
@@ -34,7 +36,6 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.utils.checkpoint
-from torch.autograd.graph import get_gradient_edge
 
 from config import UsageError
 from model import run_blocks_in_order, run_directly
@@ -73,111 +74,137 @@ def _autocast(state):
     return torch.autocast(**state) if state else nullcontext()
 
 
-class Recompute(torch.autograd.Function):
-    """y = fn(*args) without saving fn's internals; backward re-runs fn and differentiates it.
+class _Enough(Exception):
+    """The re-run has made every tensor the unit's nodes saved: the rest of fn is skipped."""
 
-    `params` are the parameters fn uses, passed as inputs so their gradients flow
-    through this node's backward into the ordinary autograd graph (DDP's hooks and the
-    FP32 gradient buffers see them as usual). Non-tensor args pass through untouched.
-    `contexts`: (around the forward, around the re-run): what a precision needs there
-    (precision.Recipe.recompute_contexts: TE's recompute flags, the FP8 weight a re-run uses).
+
+class Unit:
+    """One recomputed call of fn: what its re-run needs, and, once re-run, what its nodes saved.
+
+    The forward runs fn with grad, so autograd records the unit's nodes as usual and the
+    gradients flow through them into the rest of the graph (DDP's hooks and the FP32 gradient
+    buffers see nothing unusual). But each tensor a node of the unit saves is packed as a slot
+    number (`slot`, a saved-tensor hook): the forward keeps none of them. In backward the unit's
+    output node (`Rerun`) runs fn again, before any node of the unit needs its tensors, and
+    `keep` files each tensor the re-run saves under its slot (the same ops save the same tensors
+    in the same order); each node of the unit takes its own back (`take`) when its backward runs,
+    and they go when it is done. `contexts`' second half is what the precision needs around the
+    re-run (precision.Recipe.recompute_contexts: the FP8 weight copies kept from the forward)."""
+
+    def __init__(self, fn, args, around_rerun):
+        self.fn, self.around_rerun = fn, around_rerun
+        self.is_tensor = [torch.is_tensor(a) for a in args]
+        self.non_tensors = [None if t else a for a, t in zip(args, self.is_tensor)]
+        tensors = [a for a in args if torch.is_tensor(a)]
+        self.requires_grad = [t.requires_grad for t in tensors]  # Rerun saves them detached
+        self.device = tensors[0].device if tensors else torch.device("cpu")
+        self.rng = rng_state(self.device)  # so dropout draws the same masks when re-run
+        self.autocast = _autocast_state(self.device)  # backward runs outside the caller's autocast
+        self.n_saved = 0  # slots handed out in the forward
+        self.recomputed = None  # slot -> the tensor the re-run saved there, until its node takes it
+
+    def slot(self, tensor):
+        """Pack hook of the forward: keep a number, not the tensor."""
+        self.n_saved += 1
+        return self.n_saved - 1
+
+    def take(self, slot):
+        """Unpack hook: a node of the unit needs, in its backward, what it saved."""
+        if self.recomputed is None or slot not in self.recomputed:
+            raise RuntimeError("a recomputed unit's saved tensors exist only while backward passes through the "
+                               "unit, once each (to run backward twice, run the forward again)")
+        return self.recomputed.pop(slot)
+
+    def keep(self, tensor):
+        """Pack hook of the re-run: file the tensor under the next slot. After the last slot
+        the re-run stops (PyTorch's checkpoint does too): fn's remaining ops feed nothing saved."""
+        self.recomputed[len(self.recomputed)] = tensor.detach()
+        if len(self.recomputed) == self.n_saved:
+            raise _Enough
+        return None  # the re-run's own nodes keep nothing: its graph is thrown away
+
+    def rerun(self, saved_inputs):
+        """fn again on the saved inputs, with grad on (so its ops save), with the forward's RNG
+        state and autocast; then the backward's own RNG state back: the caller's random stream
+        must not notice the re-run."""
+        self.recomputed = {}
+        if self.n_saved == 0:
+            return
+        saved, inputs = iter(zip(saved_inputs, self.requires_grad)), []
+        for is_tensor, arg in zip(self.is_tensor, self.non_tensors):
+            if is_tensor:
+                t, requires_grad = next(saved)
+                arg = t.detach().requires_grad_(requires_grad)
+            inputs.append(arg)
+        outer_rng = rng_state(self.device)
+        set_rng_state(self.rng, self.device)
+        try:
+            with torch.enable_grad(), _recomputing(), _autocast(self.autocast), self.around_rerun, \
+                    torch.autograd.graph.saved_tensors_hooks(self.keep, _never_unpacked):
+                self.fn(*inputs)
+        except _Enough:
+            pass
+        finally:
+            set_rng_state(outer_rng, self.device)
+        if len(self.recomputed) != self.n_saved:
+            raise RuntimeError(f"a recomputed unit's re-run saved {len(self.recomputed)} tensors where its forward "
+                               f"saved {self.n_saved}: fn must run the same ops both times")
+
+
+def _never_unpacked(packed):
+    raise RuntimeError("the re-run's own graph is not differentiated")
+
+
+class Rerun(torch.autograd.Function):
+    """The unit's outputs as a node of their own: its backward re-runs the unit (Unit.rerun) from
+    the inputs it saved, then hands the outputs' gradients on, unchanged, to the unit's last
+    nodes. The inputs come in detached: they are saved here, but no gradient flows to them
+    through this node (the unit's own nodes carry those)."""
+
+    @staticmethod
+    def forward(ctx, unit, n_outputs, *outputs_and_inputs):
+        ctx.unit, ctx.n_outputs = unit, n_outputs
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
+        ctx.save_for_backward(*outputs_and_inputs[n_outputs:])  # the only activations the unit keeps
+        outputs = tuple(t.view_as(t) for t in outputs_and_inputs[:n_outputs])
+        return outputs if n_outputs > 1 else outputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.rerun(ctx.saved_tensors)
+        return (None, None, *grads) + (None,) * len(ctx.saved_tensors)
+
+
+def recompute(fn, *args, contexts=None):
+    """Call fn(*args) so that the tensors its ops save for backward are recomputed instead of kept.
+    fn returns a tensor or a tuple of tensors.
 
     What it does differently from torch.utils.checkpoint (non-reentrant; make bench's reference
-    row), and why. PyTorch's records the unit's own graph in the forward, through saved-tensor
-    hooks that keep nothing, and in backward re-runs the unit inside the first of its nodes to
-    need a saved tensor, stopping the re-run once the last saved tensor is made. Ours is one
-    node: the forward keeps the inputs, the backward re-runs the whole unit and differentiates
-    the re-run with autograd.grad. So the re-run, its RNG and autocast, the gradients' way out
-    (returned through this node, where DDP's hooks and the FP32 buffers meet them) and the
-    ledger's model of it (ledger/walk.py `_rerun`: one node) are each in one place. Its costs:
-      - the re-run runs the unit's last ops too, which PyTorch's skips (a block's MLP projection
-        and residual add; a core's att @ V): time (FlopCounterMode, default shape: +7.6% of a
-        step's FLOPs with full, +3.7% sqrt, +2.3% selective), not memory, since only the
-        outputs' gradient edges are kept and the outputs are freed at once (`rerun`);
-      - autograd holds a node's incoming gradient until its backward returns, so the unit's
-        output gradient stays alive through the whole walk back through the re-run, where
-        PyTorch's frees it after the unit's last op: one output-sized tensor more wherever the
-        step's peak falls later in the unit's backward (the softmax backward where that is the
-        peak: selective at the default shape, full and sqrt at shapes whose attention backward,
-        not the MLP's, is the peak; tests/test_checkpoint.py holds both to the byte). Only a
-        design like PyTorch's, the unit's own nodes receiving that gradient, avoids it.
-    """
+    row, tests/test_checkpoint.py its oracle), and why: the same saved-tensor hooks and the same
+    early stop, but the re-run happens in one place you can read, the unit's output node
+    (`Rerun`), instead of inside whichever of the unit's nodes first unpacks a saved tensor; and
+    the inputs go as soon as that node has re-run the unit (PyTorch's keep them until the
+    unit's last node is done). The RNG state is kept whether or not fn draws random numbers.
 
-    @staticmethod
-    def forward(ctx, fn, n_args, contexts, *args_and_params):
-        args = args_and_params[:n_args]
-        ctx.fn, ctx.n_args = fn, n_args
-        ctx.params = args_and_params[n_args:]  # leaves: kept by reference, not saved activations
-        ctx.is_tensor = [torch.is_tensor(a) for a in args]
-        ctx.non_tensors = [None if t else a for a, t in zip(args, ctx.is_tensor)]
-        tensors = [a for a in args if torch.is_tensor(a)]
-        ctx.device = tensors[0].device if tensors else torch.device("cpu")
-        ctx.rng = rng_state(ctx.device)  # so dropout draws the same masks when re-run
-        ctx.autocast = _autocast_state(ctx.device)  # backward runs outside the caller's autocast
-        ctx.save_for_backward(*tensors)  # the only activations this unit keeps
-        around_forward, ctx.around_rerun = contexts
-        with torch.no_grad(), around_forward:
-            return fn(*args)
-
-    @staticmethod
-    def rerun(ctx, grad_outputs):
-        """(inputs, roots): the forward again, on fresh leaves of the saved inputs, with grad on.
-        roots: (gradient edge, incoming gradient) of each output that has both. Only the edges of the
-        re-run's outputs are kept, not the outputs: backward starts from an output's grad_fn and
-        never reads its values, so an output no node of the re-run saved is freed here, before the
-        walk back through the re-run (holding it would cost one output more than PyTorch's own)."""
-        saved = iter(ctx.saved_tensors)
-        inputs = []  # fresh leaves to differentiate
-        for is_tensor, arg in zip(ctx.is_tensor, ctx.non_tensors):
-            if is_tensor:
-                t = next(saved)
-                arg = t.detach().requires_grad_(t.requires_grad)
-            inputs.append(arg)
-        # re-run with the forward's RNG state and autocast state, then put the backward's
-        # own RNG state back: the caller's random stream must not notice the re-run
-        outer_rng = rng_state(ctx.device)
-        set_rng_state(ctx.rng, ctx.device)
-        try:
-            with torch.enable_grad(), _recomputing(), _autocast(ctx.autocast), ctx.around_rerun:
-                # fn gets non-leaf aliases of the leaves: module hooks (FlopCounterMode's
-                # module tracker, for one) look up their inputs' autograd node, which the
-                # engine refuses to do for a leaf inside autograd.grad
-                outputs = ctx.fn(*(x.view_as(x) if torch.is_tensor(x) and x.requires_grad else x
-                                   for x in inputs))
-        finally:
-            set_rng_state(outer_rng, ctx.device)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        roots = [(get_gradient_edge(o), g) for o, g in zip(outputs, grad_outputs)
-                 if o.requires_grad and g is not None]
-        return inputs, roots
-
-    @staticmethod
-    def backward(ctx, *grad_outputs):
-        inputs, roots = Recompute.rerun(ctx, grad_outputs)
-        wrt = [x for x in inputs if torch.is_tensor(x) and x.requires_grad] + \
-              [p for p in ctx.params if p.requires_grad]
-        grads = iter(torch.autograd.grad([e for e, _ in roots], wrt, [g for _, g in roots], allow_unused=True)
-                     if roots and wrt else [None] * len(wrt))
-        input_grads = [next(grads) if torch.is_tensor(x) and x.requires_grad else None for x in inputs]
-        param_grads = [next(grads) if p.requires_grad else None for p in ctx.params]
-        return (None, None, None, *input_grads, *param_grads)
-
-
-def recompute(fn, *args, params=(), contexts=None):
-    """Call fn(*args) so that its activations are recomputed in backward instead of kept.
     contexts: None, or a callable giving (around the forward, around the re-run); it is called
     only where there will be a backward (in evaluation a precision's context would wait for a
     re-run that never comes: TE's recompute flags queue one per unit)."""
     if not torch.is_grad_enabled():
         return fn(*args)  # evaluation: no graph, no backward, nothing to recompute
-    around = contexts() if contexts else (nullcontext(), nullcontext())
-    return Recompute.apply(fn, len(args), around, *args, *tuple(params))
+    around_forward, around_rerun = contexts() if contexts else (nullcontext(), nullcontext())
+    unit = Unit(fn, args, around_rerun)
+    with torch.autograd.graph.saved_tensors_hooks(unit.slot, unit.take), around_forward:
+        output = fn(*args)
+    outputs = output if isinstance(output, tuple) else (output,)
+    if not all(torch.is_tensor(t) for t in outputs):
+        raise TypeError("recompute: fn must return a tensor or a tuple of tensors")
+    return Rerun.apply(unit, len(outputs), *outputs, *(a.detach() for a in args if torch.is_tensor(a)))
 
 
-def torch_recompute(fn, *args, params=(), contexts=None):
+def torch_recompute(fn, *args, contexts=None):
     """PyTorch's own recompute, torch.utils.checkpoint (non-reentrant), called like `recompute`:
     the reference the tests hold ours to, and `make bench`'s reference row (apply_policy's
-    recompute_fn). params: unused (its saved-tensor hooks find them); contexts: its context_fn."""
+    recompute_fn). contexts: its context_fn."""
     kw = dict(context_fn=contexts) if contexts else {}
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kw)
 
@@ -287,7 +314,8 @@ def apply_policy(model, policy, contexts=None, recompute_fn=recompute):
     recompute_fn: ours, or torch_recompute for the reference."""
     n = len(model.h)
     units = _checked_units(policy.block_units(n), n)
-    cores = set(policy.core_units(n))
+    # a core inside a recomputed block is re-run with its block already: no unit of its own
+    cores = set(policy.core_units(n)) - {i for unit in units for i in unit}
     model.block_runner = _unit_runner(units, contexts, recompute_fn) if units else run_blocks_in_order
     for i, block in enumerate(model.h):
         block.attn.core_runner = recompute_fn if i in cores else run_directly  # q, k, v: the core's inputs
@@ -295,7 +323,7 @@ def apply_policy(model, policy, contexts=None, recompute_fn=recompute):
 
 
 def _unit_runner(units, contexts, recompute_fn):
-    """GPT.block_runner with `units`: each run of blocks one Recompute, the other blocks as they are."""
+    """GPT.block_runner with `units`: each run of blocks one recompute unit, the other blocks as they are."""
     starts = {unit[0]: unit for unit in units}
 
     def run(blocks, x):
@@ -306,8 +334,7 @@ def _unit_runner(units, contexts, recompute_fn):
                 i += 1
                 continue
             group = [blocks[j] for j in starts[i]]
-            params = [p for b in group for p in b.parameters()]
-            x = recompute_fn(run_blocks_in_order, group, x, params=params,
+            x = recompute_fn(run_blocks_in_order, group, x,
                              contexts=functools.partial(contexts, group) if contexts else None)
             i = starts[i][-1] + 1
         return x
@@ -319,13 +346,20 @@ def recompute_flops_per_token(model, policy):
 
     A recomputed block runs its forward once more: 2 FLOPs (a multiply and an add) per
     matmul weight per token, plus the attention core's QK^T and @V, 2 x 2*s*h per token;
-    a recomputed core alone, the core's. Biases and LayerNorms are elementwise work, not
-    counted (nor does FlopCounterMode count them; the tests hold this function to its count).
-    (sqrt re-runs every block as full does: it keeps fewer inputs, not fewer re-runs.)
+    a recomputed core alone, the core's. But a re-run stops once it has made the last tensor
+    the unit's nodes saved (Unit.keep), and an op saves its inputs before it runs: a core's
+    last op, att @ v, is not re-run, nor is a unit's last block's MLP projection where nothing
+    after it saves (no dropout; a plain nn.Linear: fp8's Function saves after it has run).
+    Biases and LayerNorms are elementwise work, not counted (nor does FlopCounterMode count
+    them; the tests hold this function to its count). (sqrt re-runs every block as full
+    does: it keeps fewer inputs, not fewer re-runs.)
     """
     c, n = model.cfg, len(model.h)
     core = 4 * c.block_size * c.n_embd
-    in_units = {i for unit in policy.block_units(n) for i in unit}
+    units = policy.block_units(n)
+    in_units = {i for unit in units for i in unit}
     cores = set(policy.core_units(n)) - in_units
     matmuls = lambda block: 2 * sum(p.numel() for p in block.parameters() if p.dim() >= 2)  # noqa: E731
-    return sum(matmuls(model.h[i]) + core for i in in_units) + core * len(cores)
+    last = [model.h[unit[-1]].mlp.c_proj for unit in units]
+    skipped = sum(2 * proj.weight.numel() for proj in last if type(proj) is torch.nn.Linear and not c.dropout)
+    return sum(matmuls(model.h[i]) + core for i in in_units) - skipped + core // 2 * len(cores)

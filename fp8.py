@@ -101,7 +101,7 @@ def weight_copies(fp8_layers, mode):
 
 
 class Rerun:
-    """Around a recompute unit's re-run in backward (checkpoint.Recompute): each FP8 Linear of the
+    """Around a recompute unit's re-run in backward (checkpoint.Unit.rerun): each FP8 Linear of the
     unit uses the weight its forward used (the kept copy, or a fresh one where the forward
     quantized afresh) and records no amax: the same bits, and the state moves once per real
     forward. Made at the unit's forward (precision.Recipe.recompute_contexts), so it knows the

@@ -2,7 +2,7 @@
 
 Chapter section 4 ("ZeRO/FSDP split states"). Read first: `apply_fsdp` (one fully_shard per
 block and one for the rest), then `ShardOptimizer` (precision.py's optimizer on the shards),
-then `GatheredRecompute` (what our recompute needs under FSDP), then the snapshot half.
+then the snapshot half.
 zero.py, ZeRO-1 and ZeRO-2 by hand, is the one to read before this.
 
 What differs from zero.py's ZeRO:
@@ -25,7 +25,6 @@ A snapshot is an ordinary one, as zero.py's: the model's state dict gathered who
 dtype and the optimizer in MasterWeightOptimizer's format, so DDP, ZeRO and `--sample_only`
 read it; loading it cuts each tensor into this rank's shard again.
 """
-from contextlib import nullcontext
 
 import torch
 
@@ -35,7 +34,6 @@ try:  # public since torch 2.6; an older torch runs every SHARD but this one (ap
 except ImportError:
     fully_shard = DTensor = None
 
-import checkpoint
 import zero
 
 
@@ -59,38 +57,6 @@ def apply_fsdp(model, recipe):
     model.register_state_dict_post_hook(_gathered(recipe.param_dtype))
     model.register_load_state_dict_pre_hook(_cut_into_shards)
     return model
-
-
-# ---------------------------------------------------------------- recompute under FSDP
-
-class GatheredRecompute(checkpoint.Recompute):
-    """checkpoint.Recompute whose re-run ends in an ordinary backward.
-
-    Our Recompute hands autograd the gradients of the `params` it was given. Under FSDP those
-    are the sharded DTensors, and the re-run uses other tensors: the block's parameters as FSDP
-    gathers them again for it (its pre-forward hook fires inside the re-run). So the re-run's
-    backward must be what FSDP expects of any backward: torch.autograd.backward, which
-    accumulates into the gathered parameters' .grad, after which FSDP's post-backward hook on
-    the block's input reduce-scatters them into the shards' .grad and frees the gathered copy.
-    (torch.autograd.grad, as Recompute calls it, would return the gradients before that hook
-    and it would find none: the blocks' gradients would be silently lost.)"""
-
-    @staticmethod
-    def backward(ctx, *grad_outputs):
-        inputs, roots = checkpoint.Recompute.rerun(ctx, grad_outputs)
-        if roots:
-            torch.autograd.backward([e for e, _ in roots], [g for _, g in roots])
-        input_grads = [x.grad if torch.is_tensor(x) and x.requires_grad else None for x in inputs]
-        return (None, None, None, *input_grads)
-
-
-def recompute(fn, *args, params=(), contexts=None):
-    """checkpoint.recompute with GatheredRecompute (apply_policy's recompute_fn under fsdp).
-    params: unused: the gradients go to the parameters the re-run gathers, through FSDP."""
-    if not torch.is_grad_enabled():
-        return fn(*args)
-    around = contexts() if contexts else (nullcontext(), nullcontext())
-    return GatheredRecompute.apply(fn, len(args), around, *args)
 
 
 # ---------------------------------------------------------------- the optimizer on the shards

@@ -29,7 +29,7 @@ saved dtypes and kernels (ledger/ops.py: Sizes), anything else CPU's.
   references to them (the embedding saves the ids, the loss the targets), but the caller
   made them before the forward and holds them past the step: the step's input, never in
   "activations" (MemTracker files them as inputs too).
-  "rng_states" = host memory: the RNG state each recompute unit keeps (checkpoint.Recompute)
+  "rng_states" = host memory: the RNG state each recompute unit keeps (checkpoint.Unit)
   so that dropout draws the same masks when re-run. Not device memory, not in the peak.
   "peak" = the most bytes alive at any moment of a steady-state step (optimizer states
   already exist), and where in the step it happens.
@@ -122,7 +122,9 @@ def sizes(cfg):
 def plan(cfg):
     """The recompute policy's units (checkpoint.py), as the walk runs them."""
     policy = checkpoint.policy(cfg)
-    return step.Plan(cfg.n_layer, policy.block_units(cfg.n_layer), policy.core_units(cfg.n_layer))
+    units = policy.block_units(cfg.n_layer)
+    in_units = {i for unit in units for i in unit}  # apply_policy: a core inside a unit is re-run with it
+    return step.Plan(cfg.n_layer, units, [i for i in policy.core_units(cfg.n_layer) if i not in in_units])
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ def census(cfg, core_unit=False):
 
 
 def block_activation_terms(cfg, core_unit=False):
-    """[Term] one block saves (its core recomputed by checkpoint.Recompute, or not)."""
+    """[Term] one block saves (its core recomputed by checkpoint.recompute, or not)."""
     return [t for t in census(cfg, core_unit)[0] if t.scope == 0]
 
 
@@ -301,9 +303,9 @@ def input_bytes(cfg):
 
 
 def rng_state_bytes(cfg):
-    """Host bytes of the RNG states the recompute units keep (checkpoint.Recompute's ctx.rng,
+    """Host bytes of the RNG states the recompute units keep (checkpoint.Unit.rng,
     snapshot.rng_state): one per unit of the policy (a run of blocks, or one block's core),
-    alive from the forward to the end of that unit's backward. The CPU generator's state is a
+    alive from the forward until backward is done (its Rerun node holds it). The CPU generator's state is a
     byte tensor whose size torch decides (torch.get_rng_state(), read here, not assumed); on
     CUDA each unit also keeps the CUDA generator's state, seed and Philox offset, 8 + 8 bytes,
     also a CPU tensor (CUDAGeneratorImpl::get_state in aten/src/ATen/cuda/CUDAGeneratorImpl.cpp).

@@ -64,8 +64,7 @@ def build(cfg, device=None):
         model = GPT(cfg, linear_factory=recipe.linear_factory())
         sharded = cfg.shard == "fsdp"  # FSDP2 keeps FP32 shards (the master weights), casts per block
         model.to(device=device, dtype=torch.float32 if sharded else recipe.param_dtype)
-        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts,
-                                recompute_fn=fsdp.recompute if sharded else checkpoint.recompute)
+        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts)
         if sharded:
             fsdp.apply_fsdp(model, recipe)
         optimizer = make_optimizer(cfg, model, recipe)

@@ -43,9 +43,9 @@ def linear(g, name, x, n_in, n_out, region):
     out = scaled_mm(g, name + " forward", M * n_in, w, lambda where: g.new(where, name + " output", M * n_out * z.e,
                                                                             region=region), z.bias)
     # the scales are saved too, but where this forward made the copy they are the copy's, kept for the
-    # step: fp8_kept's bytes, not an activation (ledger/measure.py counts them once, there)
-    saved = [(x8, name + " input")] + ([] if makes_copy else [(scales, name + " FP8 scales")])
-    g.record(name, [x], [out], _backward, saved=saved, n_in=n_in, n_out=n_out)
+    # step: fp8_kept's bytes, not an activation (ledger/measure.py counts them once, there): term None
+    saved = [(x8, name + " input"), (scales, None if makes_copy else name + " FP8 scales")]
+    g.record(name, [x], [out], _backward, saved=saved, packs_after=True, n_in=n_in, n_out=n_out)
     return out
 
 

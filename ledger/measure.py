@@ -69,6 +69,7 @@ class SavedBytes:
         self._holders = {}  # storage key -> how many saved-tensor slots hold it
         self.where = where  # None, or a callable naming the module running now (ModulePath)
         self.found = {}  # storage key -> SavedTensor, for each storage counted in `total`
+        self._units = {}  # (id of a checkpoint.Unit, slot) -> what _pack made of the tensor kept there
 
     def _pack(self, t):
         key, nbytes = storage_key(t), t.untyped_storage().nbytes()
@@ -99,9 +100,25 @@ class SavedBytes:
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        # a recompute unit's re-run keeps what its nodes saved itself (checkpoint.Unit.keep), out
+        # of these hooks' sight, until each node takes its own back (Unit.take): count those too
+        # (a unit's forward must run inside too: its nodes' unpack hook is bound there)
+        keep, take, units = checkpoint.Unit.keep, checkpoint.Unit.take, self._units
+
+        def counted_keep(unit, tensor):
+            # detached, as the unit keeps it: the re-run's graph would hold the re-run's inputs
+            units[id(unit), len(unit.recomputed)] = self._pack(tensor.detach())
+            return keep(unit, tensor)
+
+        def counted_take(unit, slot):
+            units.pop((id(unit), slot), None)
+            return take(unit, slot)
+        self._unit_methods = keep, take
+        checkpoint.Unit.keep, checkpoint.Unit.take = counted_keep, counted_take
         return self
 
     def __exit__(self, *exc):
+        checkpoint.Unit.keep, checkpoint.Unit.take = self._unit_methods
         self._hooks.__exit__(*exc)
 
 
@@ -146,7 +163,7 @@ class ModulePath:
 def saving_nodes(loss, found):
     """Fill in, for each storage in `found`, the autograd nodes (grad_fn names) of loss's graph
     that hold it: a node's saved tensors are its `_saved_*` attributes, or a custom Function's
-    saved_tensors (checkpoint.Recompute, fp8's)."""
+    saved_tensors (checkpoint.Rerun: a unit's inputs; fp8's)."""
     names, seen, stack = {}, set(), [loss.grad_fn]
     while stack:
         node = stack.pop()
@@ -161,8 +178,10 @@ def saving_nodes(loss, found):
                 except RuntimeError:  # released already, or not a tensor torch will hand out
                     continue
                 held += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if torch.is_tensor(v)]
-        if hasattr(node, "saved_tensors"):
-            held += [t for t in node.saved_tensors if torch.is_tensor(t)]
+        try:
+            held += [t for t in getattr(node, "saved_tensors", ()) if torch.is_tensor(t)]
+        except RuntimeError:  # a node inside a recompute unit: it holds nothing until the re-run
+            pass
         for t in held:
             if storage_key(t) in found:
                 names.setdefault(storage_key(t), set()).add(type(node).__name__)
@@ -326,15 +345,16 @@ def random_batch(cfg, device, b=None):
 
 def rng_state_bytes(loss):
     """Host bytes of the RNG states held by the recompute units in loss's autograd graph
-    (checkpoint.Recompute's ctx.rng; the ctx *is* the graph node), distinct storages."""
+    (checkpoint.Unit.rng, found through each unit's output node: checkpoint.Rerun's ctx *is* the
+    graph node), distinct storages."""
     seen, stack, found = set(), [loss.grad_fn], {}
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, checkpoint.Recompute._backward_cls):
-            for t in node.rng.values():
+        if isinstance(node, checkpoint.Rerun._backward_cls):
+            for t in node.unit.rng.values():
                 found[storage_key(t)] = t.untyped_storage().nbytes()
         stack.extend(fn for fn, _ in node.next_functions)
     return sum(found.values())

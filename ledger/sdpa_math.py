@@ -7,6 +7,7 @@ FP32, scales q and k, adds a causal bias, softmax, dropout with FP32 noise, cast
 back (and returns them), @ v, casts the output back. It saves what the manual core saves, in
 FP32; its steps were read op by op off LiveTensors, like the rest of the walk.
 """
+from ledger.walk import Tensor
 
 
 def forward(g, name, q, k, v):
@@ -59,8 +60,8 @@ def forward(g, name, q, k, v):
     if e != 4:
         y = g.new(name + " math: output to 16 bit", name + " output", bsh * e, region=True, layout="head-major")
     del temps
-    g.record(name, [q, k, v], [y], _backward,
-                saved=[(t, t.storage.entry.label) for t in keep.values()], keep=keep)
+    g.record(name, [q, k, v], [y], _backward, saved=[(t, t.storage.entry.label) for t in keep.values()],
+             names=list(keep))
     return y
 
 
@@ -69,7 +70,7 @@ def _backward(g, node, grads):
     each op's backward runs (the node holds them all; this rule drops each in turn)."""
     z = g.sizes
     one, bsh, A, e, n = z.b == 1, z.bsh, z.a * z.s * z.s * z.b, z.e, node.name
-    keep = node.ctx.pop("keep")
+    keep = {key: Tensor(storage) for key, storage in zip(node.ctx["names"], node.saved)}
     node.release()  # from here `keep` holds them: each goes below as its own op's backward runs
 
     def drop(*names):

@@ -11,12 +11,11 @@ Under each recompute policy (checkpoint.py), as the Plan of its units:
   no unit    every block's saved tensors are alive when backward starts; each block frees
              its own as backward passes through it.
   core units the attention core's saved tensors come back for the length of its own
-             backward (checkpoint.Recompute re-runs it), with the incoming gradient held by
-             the Recompute node until it returns (the recomputed output goes once made).
-  block units only the unit inputs are alive; backward re-runs a unit's forward (every
-             block of the unit saves everything again) and walks back through it, while
-             the unit's input and incoming gradient stay held (its recomputed output goes
-             once made: nothing saves a block's output).
+             backward: its output node (checkpoint.Rerun) re-runs it up to att @ v, whose
+             inputs are the last tensors it saves; its q, k and v go once that is done.
+  block units only the unit inputs are alive; backward re-runs a unit's forward up to the
+             last tensor it saves (every block of the unit saves everything again), and
+             each node of the unit lets go of its own as backward passes through it.
 """
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ class Description:
 
 @dataclass(frozen=True)
 class Plan:
-    """Which units a recompute policy runs through checkpoint.Recompute (Policy.block_units,
+    """Which units a recompute policy runs through checkpoint.recompute (Policy.block_units,
     Policy.core_units of checkpoint.py): runs of consecutive blocks, and the blocks whose
     attention core is one."""
     n_layer: int
@@ -44,7 +43,7 @@ class Plan:
 
 def forward(g, model, plan):
     """GPT.forward under `plan`: the embeddings, the blocks (GPT.block_runner: a block as it is,
-    or a unit of blocks through checkpoint.Recompute), the head. Returns the loss."""
+    or a unit of blocks through checkpoint.recompute), the head. Returns the loss."""
     g.plan = plan
     with g.within("", "embedding"):
         x = model.embeddings(g)

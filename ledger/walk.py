@@ -15,8 +15,10 @@ runs the code it describes:
     the Nodes in the autograd engine's order (of those ready, the newest first): a Node's
     rule allocates its inputs' gradients, then the Node lets go of what it saved and of
     the gradient it consumed; a tensor used twice sums its two gradients into a new one;
-  a recompute unit (checkpoint.Recompute) keeps only its inputs: its first forward runs
-    without grad, and in backward its Node runs it again, then walks back through it.
+  a recompute unit (checkpoint.recompute) keeps only its inputs: its forward records its
+    Nodes as usual but they save slot numbers, not storages; in backward the unit's output
+    Node (checkpoint.Rerun) runs it again, filing what each Node saves under its slot, and
+    stops after the last one; each Node takes its own back when it runs.
 
 Kinds of bytes, for the breakdown at the peak: a storage some Node saved is an activation;
 else a kept FP8 weight copy; else a parameter's .grad; else in flight.
@@ -32,11 +34,12 @@ class Entry:
     name as a saved activation, scope: where it was first saved (a block's index, or
     "embedding", "head", "units"); region: made inside a tensor-parallel region (split over
     t ranks under TP); role: what kept it (ops.NORM: a normalization layer)."""
-    __slots__ = ("name", "label", "nbytes", "saved", "kept", "grad", "term", "scope", "region", "role")
+    __slots__ = ("name", "label", "nbytes", "saved", "kept", "grad", "term", "scope", "region", "role", "point")
 
     def __init__(self, prefix, label, nbytes, region=False, grad=False):
         self.name, self.label, self.nbytes, self.region, self.grad = prefix + label, label, nbytes, region, grad
         self.saved, self.kept, self.term, self.scope, self.role = 0, False, None, None, None
+        self.point = None  # the walk's point where it was allocated
 
     @property
     def kind(self):
@@ -86,12 +89,13 @@ class Node:
     (Storages), and the rule its backward follows: rule(g, node, grads) -> input gradients,
     run with the names (prefix) and scope the op ran with. A rule may let go of an incoming
     gradient early (grads[i] = None) where PyTorch's own nodes would."""
-    __slots__ = ("name", "prefix", "scope", "seq", "inputs", "saved", "rule", "n_outputs", "ctx")
+    __slots__ = ("name", "prefix", "scope", "seq", "inputs", "saved", "slots", "rule", "n_outputs", "ctx")
 
     def __init__(self, name, prefix, scope, seq, inputs, rule, n_outputs, ctx):
         self.name, self.prefix, self.scope, self.seq = name, prefix, scope, seq
         self.inputs, self.rule, self.n_outputs, self.ctx = inputs, rule, n_outputs, ctx
         self.saved = []
+        self.slots = []  # inside a recompute unit: (unit, slot) of each tensor it saved, filled by the re-run
 
     def release(self):
         """release_variables: let go of everything saved (what nothing else holds is freed)."""
@@ -114,11 +118,13 @@ class Walk:
         self.total, self.totals, self.steps = static, [], []
         self.peak, self.where, self.parts = static, "start", {}
         self.live = {}  # id(entry) -> entry
+        self._peaks = []  # (point, the peak before it): what `undo` restores
 
     def allocate(self, where, entries):
         for entry in entries:
             if entry.grad:
                 entry.nbytes //= self.shard
+            entry.point = len(self.totals)
             self.live[id(entry)] = entry
             self.total += entry.nbytes
         self.mark(where)
@@ -128,9 +134,17 @@ class Walk:
         self.totals.append(self.total)
         self.steps.append(where)
         if self.total > self.peak:
+            self._peaks.append((len(self.totals) - 1, self.peak, self.where, self.parts))
             self.peak, self.where, self.parts = self.total, where, {}
             for entry in self.live.values():
                 self.parts[entry.kind] = self.parts.get(entry.kind, 0) + entry.nbytes
+
+    def undo(self, point):
+        """Take back the points from `point` on: allocations an op never made (a re-run stopped
+        before it ran). Their storages are freed as the walk's handles on them go."""
+        del self.totals[point:], self.steps[point:]
+        while self._peaks and self._peaks[-1][0] >= point:
+            _, self.peak, self.where, self.parts = self._peaks.pop()
 
     def free(self, entry):
         if self.live.pop(id(entry), None) is not None:
@@ -153,6 +167,8 @@ class Graph:
         self.walk, self.sizes = walk, sizes
         self.grad_enabled, self.seq, self.prefix, self.scope, self.plan = True, 0, "", None, None
         self.role = None  # what the tensors saved now are kept by (ops.NORM inside a norm)
+        self.running_unit = None  # the recompute unit running now, forward (its saves are slots) or re-run (rerun)
+        self.rerun = False
         self.declared, self.grads, self.kept = {"param": {}, "buffer": {}, "fp8 weight": {}, "tied": {}}, {}, {}
 
     # ---------------------------------------------------------------- memory
@@ -187,9 +203,11 @@ class Graph:
 
     # ---------------------------------------------------------------- autograd
 
-    def record(self, name, inputs, outputs, rule, saved=(), **ctx):
+    def record(self, name, inputs, outputs, rule, saved=(), packs_after=False, **ctx):
         """Make the op's Node (grad enabled only): edges to `inputs`' producers, `outputs` made
-        its own, `saved` [(tensor, term name)] held. Returns the Node, or None without grad."""
+        its own, `saved` [(tensor, term name)] held. Returns the Node, or None without grad.
+        Inside a recompute unit the Node keeps slots instead (`_save_in_unit`); packs_after: the
+        op is a custom autograd Function, which saves once its forward has returned (fp8's)."""
         if not self.grad_enabled:
             return None
         self.seq += 1
@@ -197,39 +215,72 @@ class Graph:
                     rule, len(outputs), ctx)
         for i, t in enumerate(outputs):
             t.node, t.index = node, i
+        if self.running_unit is not None:
+            self._save_in_unit(node, outputs, saved, packs_after)
+            return node
         for t, term in saved:
             self.save(node, t, term)
         return node
 
     def save(self, node, tensor, term):
         """node keeps tensor's storage. Its term: what the op calls it, or the storage's own name
-        where the op saves a view of part of it (q, k and v of c_attn's output)."""
-        entry = tensor.storage.entry
-        entry.saved += 1
-        if entry.term is None:
-            entry.term, entry.scope = term if tensor.nbytes == entry.nbytes else entry.label, self.scope
-            entry.role = entry.role or self.role
+        where the op saves a view of part of it (q, k and v of c_attn's output); None: something
+        kept for the step anyway (an FP8 weight copy's scales), not an activation: not held here,
+        though a recompute unit gives it a slot as PyTorch does."""
+        if term is None:
+            return
+        self._name(tensor, term)
+        tensor.storage.entry.saved += 1
         node.saved.append(tensor.storage)
 
-    def leaf(self, tensor):
-        """A tensor that gradients flow to and stop at (`backward`'s wrt): a view, no memory."""
-        t = tensor.view()
-        self.record("leaf", [], [t], rule=None)
-        return t
+    def _name(self, tensor, term):
+        entry = tensor.storage.entry
+        if entry.term is None and term is not None:
+            entry.term, entry.scope = term if tensor.nbytes == entry.nbytes else entry.label, self.scope
+            entry.role = entry.role or self.role
+
+    def _save_in_unit(self, node, outputs, saved, packs_after):
+        """What checkpoint.Unit does with what an op of a unit saves. In the forward (Unit.slot)
+        the node keeps a slot number. In the re-run (Unit.keep) the unit keeps the storage under
+        the next slot, and after the last one the re-run stops: autograd saves an op's inputs
+        before the op runs (its outputs after it: a tensor allocated with the outputs or later),
+        so a stop at an input means the op's outputs were never made (`Walk.undo`). A custom
+        Function (packs_after) saves everything after its forward."""
+        unit = self.running_unit
+        made = min((t.storage.entry.point for t in outputs), default=None)
+        made_here = lambda t: made is not None and t.storage.entry.point >= made  # noqa: E731
+        order = sorted(saved, key=lambda pair: made_here(pair[0])) if not packs_after else list(saved)
+        for tensor, term in order:
+            if not self.rerun:
+                node.slots.append((unit, unit.n_saved))
+                unit.n_saved += 1
+                continue
+            self._name(tensor, term)
+            tensor.storage.entry.saved += 1
+            unit.recomputed[len(unit.recomputed)] = tensor.storage
+            if len(unit.recomputed) == unit.n_saved:
+                if not packs_after and not made_here(tensor) and made is not None:
+                    self.walk.undo(made)
+                raise _Enough
 
     def unit(self, name, fn, *args, term, scope):
-        """checkpoint.Recompute around fn(*args): its forward runs without grad (it frees as it
-        goes, saves nothing) and keeps only its tensor arguments; its Node re-runs fn in backward
-        (_rerun). Without grad (evaluation) it is just fn(*args)."""
+        """checkpoint.recompute around fn(*args): fn runs with grad, its Nodes keeping slots, not
+        storages; then the unit's output Node (checkpoint.Rerun) keeps only its tensor arguments
+        and, in backward, re-runs fn (_rerun). Without grad (evaluation) it is just fn(*args)."""
         if not self.grad_enabled:
             return fn(*args)
-        with self.no_grad():
+        unit = _Unit()
+        previous, self.running_unit = self.running_unit, unit
+        try:
             out = fn(*args)
+        finally:
+            self.running_unit = previous
         previous, self.scope = self.scope, scope
-        self.record(name, list(args), [out], _rerun, saved=[(t, term) for t in args], fn=fn,
+        view = out.view()
+        self.record(name, [out], [view], _rerun, saved=[(t, term) for t in args], fn=fn, unit=unit,
                     specs=[(t.nbytes, t.layout) for t in args])
         self.scope = previous
-        return out
+        return view
 
     def core_runner(self, core, *args):
         """CausalSelfAttention.core_runner: the core as it is, or a recompute unit where the
@@ -290,9 +341,8 @@ class Graph:
         self.walk.allocate(self.prefix + where, [entry])
         return Tensor(Storage(self.walk, entry))
 
-    def backward(self, roots, wrt=()):
-        """Run backward from [(edge, its gradient)] (a Tensor's `edge`) through the recorded Nodes;
-        returns the gradients that reach `wrt` (leaves, see `leaf`), in order."""
+    def backward(self, roots):
+        """Run backward from [(edge, its gradient)] (a Tensor's `edge`) through the recorded Nodes."""
         deps, stack, seen = {}, [node for (node, _), _ in roots], set()
         while stack:  # how many edges point at each node: it runs when all have delivered
             node = stack.pop()
@@ -309,14 +359,11 @@ class Graph:
             ready.append(edge[0])
         del edge, grad  # the caller holds the roots' gradients for as long as backward runs
         heapq.heapify(ready)
-        leaves = {id(t.node): i for i, t in enumerate(wrt)}
-        found = [None] * len(wrt)
         while ready:
             node = heapq.heappop(ready)
             grads = buffers.pop(id(node), None) or [None] * node.n_outputs
-            if id(node) in leaves:
-                found[leaves[id(node)]] = grads[0]
-                continue
+            if node.slots:  # a Node of a recompute unit: what it saved, from the re-run (Unit.take)
+                node.saved = [unit.recomputed.pop(slot) for unit, slot in node.slots]
             with self.within(node.prefix, node.scope):
                 outs = node.rule(self, node, grads)
             del grads  # the gradient this node consumed goes (unless its rule passed it on)
@@ -330,7 +377,6 @@ class Graph:
                 if deps[id(edge[0])] == 0:
                     heapq.heappush(ready, edge[0])
             del outs
-        return found
 
     def _deliver(self, buffers, edge, grad):
         node, index = edge
@@ -344,15 +390,33 @@ class Graph:
         slots[index] = Tensor(Storage(self.walk, entry), layout=grad.layout)
 
 
+class _Unit:
+    """checkpoint.Unit as the walk keeps it: slots handed out, and the storages the re-run filed."""
+
+    def __init__(self):
+        self.n_saved, self.recomputed = 0, {}
+
+
+class _Enough(Exception):
+    """checkpoint._Enough: the re-run has filed every slot."""
+
+
 def _rerun(g, node, grads):
-    """checkpoint.Recompute.backward: fresh leaves on the saved inputs (views: no memory), fn run
-    again with grad (FP8 reuses the kept weight copies), then backward through it from the
-    incoming gradient. Of the re-run's output only its edge is kept (Recompute.rerun): the output
-    goes as soon as it is made, unless a node of the re-run saved it. Until backward returns the
-    node holds the incoming gradient and the inputs; the inputs' gradients go on to the unit's
-    producers."""
-    with g.enable_grad():
-        leaves = [g.leaf(Tensor(storage, nbytes, layout)) for storage, (nbytes, layout)
-                  in zip(node.saved, node.ctx["specs"])]
-        edge = node.ctx["fn"](*leaves).edge
-    return g.backward([(edge, grads[0])], wrt=leaves)
+    """checkpoint.Rerun.backward: fn run again on the saved inputs (handles on their storages: no
+    memory) with grad, its saves filed in the unit (FP8 reuses the kept weight copies), stopped
+    after the last (what it made and nobody saved goes as the re-run ends); then the incoming
+    gradient handed on unchanged. The inputs go when the node releases them, unless the re-run
+    saved them again."""
+    unit = node.ctx["unit"]
+    if unit.n_saved:
+        previous = g.running_unit, g.rerun
+        g.running_unit, g.rerun = unit, True
+        try:
+            with g.enable_grad():
+                node.ctx["fn"](*[Tensor(storage, nbytes, layout) for storage, (nbytes, layout)
+                                 in zip(node.saved, node.ctx["specs"])])
+        except _Enough:
+            pass
+        finally:
+            g.running_unit, g.rerun = previous
+    return [grads[0]]

@@ -572,11 +572,13 @@ def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe):
             grads.append([p.grad.clone() for p in model.parameters()])
             records.append([m.recorded_forwards for m in parts.fp8_layers])
             if ckpt == "full":
-                assert len(calls) == 2 * len(parts.fp8_layers)  # every FP8 forward ran twice
+                # every FP8 forward ran twice, but a unit's last one never returns from its re-run: the
+                # re-run stops as that layer's Function saves its tensors, the last ones the unit saves
+                last = {id(block.mlp.c_proj) for block in model.h}
                 first = {id(m): out for m, rec, out in calls if not rec}
                 again = {id(m): out for m, rec, out in calls if rec}
-                assert first.keys() == again.keys()
-                for k in first:  # the recomputed forward used the same scales: same bits
+                assert len(first) == len(parts.fp8_layers) and again.keys() == first.keys() - last
+                for k in again:  # the recomputed forward used the same scales: same bits
                     assert torch.equal(first[k], again[k])
             accumulate.optimizer_step(parts)
         runs[ckpt] = (grads, records, [{k: v.clone() for k, v in m.state_dict().items()} for m in parts.fp8_layers],

@@ -53,7 +53,8 @@ def max_diff(a, b):
 @pytest.mark.parametrize("ckpt", ["full", "sqrt", "selective"])
 def test_recompute_gradients_equal_no_recompute(ranks, ckpt):
     """After one step, every policy's whole gradient is ckpt=none's (FP32): our re-run's gradients
-    reach FSDP's reduce-scatter. Under plain Recompute the blocks' gradients were silently None."""
+    reach FSDP's reduce-scatter (under the old one-node recompute, which differentiated its re-run with
+    autograd.grad, the blocks' gradients were silently None)."""
     for rank in range(WORLD):
         got, want = ranks[rank]["recompute"][ckpt], ranks[rank]["recompute"]["none"]
         for name, g, w in zip(want["names"], got["grads"], want["grads"]):

@@ -370,7 +370,7 @@ def test_param_count_matches_meta_model():
 
 
 def test_recompute_rng_state_is_what_checkpoint_keeps():
-    # the formula's per-unit size is the state checkpoint.Recompute stores, read from torch
+    # the formula's per-unit size is the state checkpoint.Unit stores, read from torch
     assert sum(t.numel() for t in checkpoint.rng_state(torch.device("cpu")).values()) == \
         ml.rng_state_bytes(Config(n_layer=1, ckpt="full"))
 
