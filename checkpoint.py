@@ -91,8 +91,8 @@ class Unit:
     and they go when it is done. `contexts`' second half is what the precision needs around the
     re-run (precision.Recipe.recompute_contexts: the FP8 weight copies kept from the forward)."""
 
-    def __init__(self, fn, args, around_rerun):
-        self.fn, self.around_rerun = fn, around_rerun
+    def __init__(self, fn, args, around_rerun, stop_early=True):
+        self.fn, self.around_rerun, self.stop_early = fn, around_rerun, stop_early
         self.is_tensor = [torch.is_tensor(a) for a in args]
         self.non_tensors = [None if t else a for a, t in zip(args, self.is_tensor)]
         tensors = [a for a in args if torch.is_tensor(a)]
@@ -117,9 +117,10 @@ class Unit:
 
     def keep(self, tensor):
         """Pack hook of the re-run: file the tensor under the next slot. After the last slot
-        the re-run stops (PyTorch's checkpoint does too): fn's remaining ops feed nothing saved."""
+        the re-run stops (PyTorch's checkpoint does too): fn's remaining ops feed nothing saved.
+        (Unless stop_early is off: precision.Recipe.rerun_stops_early says why TE turns it off.)"""
         self.recomputed[len(self.recomputed)] = tensor.detach()
-        if len(self.recomputed) == self.n_saved:
+        if len(self.recomputed) == self.n_saved and self.stop_early:
             raise _Enough
         return None  # the re-run's own nodes keep nothing: its graph is thrown away
 
@@ -175,7 +176,7 @@ class Rerun(torch.autograd.Function):
         return (None, None, *grads) + (None,) * len(ctx.saved_tensors)
 
 
-def recompute(fn, *args, contexts=None):
+def recompute(fn, *args, contexts=None, stop_early=True):
     """Call fn(*args) so that the tensors its ops save for backward are recomputed instead of kept.
     fn returns a tensor or a tuple of tensors.
 
@@ -188,11 +189,12 @@ def recompute(fn, *args, contexts=None):
 
     contexts: None, or a callable giving (around the forward, around the re-run); it is called
     only where there will be a backward (in evaluation a precision's context would wait for a
-    re-run that never comes: TE's recompute flags queue one per unit)."""
+    re-run that never comes: TE's recompute flags queue one per unit). stop_early: whether the
+    re-run may stop after the last tensor the unit saves (precision.Recipe.rerun_stops_early)."""
     if not torch.is_grad_enabled():
         return fn(*args)  # evaluation: no graph, no backward, nothing to recompute
     around_forward, around_rerun = contexts() if contexts else (nullcontext(), nullcontext())
-    unit = Unit(fn, args, around_rerun)
+    unit = Unit(fn, args, around_rerun, stop_early)
     with torch.autograd.graph.saved_tensors_hooks(unit.slot, unit.take), around_forward:
         output = fn(*args)
     outputs = output if isinstance(output, tuple) else (output,)
@@ -201,12 +203,13 @@ def recompute(fn, *args, contexts=None):
     return Rerun.apply(unit, len(outputs), *outputs, *(a.detach() for a in args if torch.is_tensor(a)))
 
 
-def torch_recompute(fn, *args, contexts=None):
+def torch_recompute(fn, *args, contexts=None, stop_early=True):
     """PyTorch's own recompute, torch.utils.checkpoint (non-reentrant), called like `recompute`:
     the reference the tests hold ours to, and `make bench`'s reference row (apply_policy's
-    recompute_fn). contexts: its context_fn."""
+    recompute_fn). contexts: its context_fn; stop_early: its set_checkpoint_early_stop."""
     kw = dict(context_fn=contexts) if contexts else {}
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kw)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(stop_early):
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kw)
 
 
 # ---------------------------------------------------------------- policies
@@ -306,12 +309,14 @@ def _checked_units(units, n_layer):
     return units
 
 
-def apply_policy(model, policy, contexts=None, recompute_fn=recompute):
+def apply_policy(model, policy, contexts=None, recompute_fn=recompute, stop_early=True):
     """Set model.block_runner and each attention's core_runner for `policy` (a Policy).
     contexts: what the precision needs around a unit of blocks, called with the unit's blocks
     at its forward (precision.Recipe.recompute_contexts, given by train.build); a core holds no
     Linear and needs none (with Transformer Engine: no TE module inside, nothing to re-enter).
-    recompute_fn: ours, or torch_recompute for the reference."""
+    recompute_fn: ours, or torch_recompute for the reference. stop_early: whether a re-run may
+    stop after the last tensor its unit saves (precision.Recipe.rerun_stops_early)."""
+    recompute_fn = functools.partial(recompute_fn, stop_early=stop_early)
     n = len(model.h)
     units = _checked_units(policy.block_units(n), n)
     # a core inside a recomputed block is re-run with its block already: no unit of its own
@@ -341,7 +346,7 @@ def _unit_runner(units, contexts, recompute_fn):
     return run
 
 
-def recompute_flops_per_token(model, policy):
+def recompute_flops_per_token(model, policy, stop_early=True):
     """Forward FLOPs per token that recomputation adds: counted in HFU, not in MFU.
 
     A recomputed block runs its forward once more: 2 FLOPs (a multiply and an add) per
@@ -352,7 +357,7 @@ def recompute_flops_per_token(model, policy):
     after it saves (no dropout; a plain nn.Linear: fp8's Function saves after it has run).
     Biases and LayerNorms are elementwise work, not counted (nor does FlopCounterMode count
     them; the tests hold this function to its count). (sqrt re-runs every block as full
-    does: it keeps fewer inputs, not fewer re-runs.)
+    does: it keeps fewer inputs, not fewer re-runs.) stop_early: as apply_policy's.
     """
     c, n = model.cfg, len(model.h)
     core = 4 * c.block_size * c.n_embd
@@ -361,5 +366,7 @@ def recompute_flops_per_token(model, policy):
     cores = set(policy.core_units(n)) - in_units
     matmuls = lambda block: 2 * sum(p.numel() for p in block.parameters() if p.dim() >= 2)  # noqa: E731
     last = [model.h[unit[-1]].mlp.c_proj for unit in units]
+    if not stop_early:
+        return sum(matmuls(model.h[i]) + core for i in in_units) + core * len(cores)
     skipped = sum(2 * proj.weight.numel() for proj in last if type(proj) is torch.nn.Linear and not c.dropout)
     return sum(matmuls(model.h[i]) + core for i in in_units) - skipped + core // 2 * len(cores)

@@ -116,7 +116,7 @@ def sizes(cfg):
                  e=rec.element_bytes, attn=cfg.attn, bias=cfg.bias, drop=cfg.dropout > 0, cuda=cfg.device == "cuda",
                  loss_scaled=rec.loss_scaling != "none", fp8=rec.fp8.backend if rec.fp8 else None,
                  fp8_e5m2=rec.fp8 is not None and rec.fp8.grad == "e5m2",
-                 fp8_history=rec.fp8.history if rec.fp8 else 16)
+                 fp8_history=rec.fp8.history if rec.fp8 else 16, rerun_stops_early=rec.rerun_stops_early)
 
 
 def plan(cfg):

@@ -104,6 +104,15 @@ class Recipe:
         around_forward, around_rerun = fp8_te.recompute_contexts(self.fp8)
         return around_forward, _all_of(rerun, *around_rerun)
 
+    @property
+    def rerun_stops_early(self):
+        """Whether a recompute unit's re-run may stop once it has made the last tensor its nodes
+        saved (checkpoint.Unit.keep), skipping the rest. Not under Transformer Engine: a TE
+        module puts its FP8 scales back only when its forward returns (prepare_forward in
+        transformer_engine/pytorch/module/base.py restores them after its yield, with no
+        finally), so a re-run stopped inside one would leave the forward's scales swapped in."""
+        return self.fp8 is None or self.fp8.backend != "te"
+
     def loss_scaler(self):
         return LossScaler(self.loss_scaling, init_scale=self.static_scale, hysteresis=self.hysteresis)
 

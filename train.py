@@ -64,7 +64,8 @@ def build(cfg, device=None):
         model = GPT(cfg, linear_factory=recipe.linear_factory())
         sharded = cfg.shard == "fsdp"  # FSDP2 keeps FP32 shards (the master weights), casts per block
         model.to(device=device, dtype=torch.float32 if sharded else recipe.param_dtype)
-        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts)
+        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts,
+                                stop_early=recipe.rerun_stops_early)
         if sharded:
             fsdp.apply_fsdp(model, recipe)
         optimizer = make_optimizer(cfg, model, recipe)
@@ -181,7 +182,8 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
     run_model = wrap_ddp(model, device) if world_size > 1 and cfg.shard == "none" else model  # ZeRO, FSDP: no wrapper
     seqs, tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
     flops_per_token = model.flops_per_token()
-    hw_flops_per_token = flops_per_token + checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg))
+    hw_flops_per_token = flops_per_token + checkpoint.recompute_flops_per_token(
+        model, checkpoint.policy(cfg), stop_early=parts.recipe.rerun_stops_early)
     peak = flops.peak_flops(cfg, parts.recipe, device)
     if master:
         log(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "

@@ -258,7 +258,7 @@ class Graph:
             self._name(tensor, term)
             tensor.storage.entry.saved += 1
             unit.recomputed[len(unit.recomputed)] = tensor.storage
-            if len(unit.recomputed) == unit.n_saved:
+            if len(unit.recomputed) == unit.n_saved and self.sizes.rerun_stops_early:
                 if not packs_after and not made_here(tensor) and made is not None:
                     self.walk.undo(made)
                 raise _Enough

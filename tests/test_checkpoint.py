@@ -524,6 +524,16 @@ def test_recompute_flops(dropout):
     assert total["selective"] - total["none"] == core_flops // 2
     step_ratio = (total["full"] - total["none"]) / total["none"]
     assert 0.15 < step_ratio < 1 / 3  # the embedding/head, not recomputed, dilute the 33%
+    # without the early stop (precision.Recipe.rerun_stops_early: TE) every re-run runs to its unit's end,
+    # ours and PyTorch's alike, with the same gradients
+    for recompute_fn in (checkpoint.recompute, checkpoint.torch_recompute):
+        for policy, extra in (("full", blocks_fwd), ("selective", core_flops)):
+            whole = [checkpoint.apply_policy(make_model(dropout=dropout), checkpoint.POLICIES[policy](),
+                                             recompute_fn=recompute_fn, stop_early=False) for _ in range(2)]
+            assert step_flops(whole[0], x, y) - total["none"] == extra, (recompute_fn.__name__, policy)
+            assert checkpoint.recompute_flops_per_token(whole[0], checkpoint.POLICIES[policy](), stop_early=False) \
+                * B * T == extra
+            assert_same(train_step(whole[1], x, y), train_step(make_model(dropout=dropout), x, y))
     for policy in ("none", "full", "sqrt", "selective"):  # HFU's extra term is the counted extra
         per_token = checkpoint.recompute_flops_per_token(models[policy], checkpoint.POLICIES[policy]())
         assert per_token * B * T == total[policy] - total["none"], policy

@@ -688,7 +688,13 @@ def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fak
     model, parts = train.build(cfg, torch.device("cpu"))
     n, batches = len(fp8.layers(model)), batches_of(cfg)
     units = len(checkpoint.POLICIES[ckpt]().block_units(cfg.n_layer))
+    # TE's modules put their scales back only as their forward returns: no re-run may stop inside one
+    returned = []
+    for layer in fp8.layers(model):
+        layer.register_forward_hook(lambda *_: returned.append(checkpoint.is_recomputing()))
+    assert not parts.recipe.rerun_stops_early
     accumulate.accumulation_step(model, parts, [batches.next() for _ in range(2)])
+    assert returned.count(True) == 2 * n  # every layer's re-run returned, the units' last ones too
     linear = [e for e in events if e[0] == "linear"]
     first = [e for e in linear if e[2] is False]
     again = [e for e in linear if e[2] is True]

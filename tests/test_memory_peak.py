@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import accumulate
 import fp8
 import memory_ledger as ml
 import train
@@ -213,3 +214,55 @@ def test_largest_micro_batch_is_the_walks():
         assert ml.peak_estimate(replace(cfg, batch_size=b), shard)[0] <= 80 * 2 ** 30 < \
             ml.peak_estimate(replace(cfg, batch_size=b + 1), shard)[0]
     assert mp.largest_micro_batch(mp.big_config("175B (GPT-3)"), 80 * 2 ** 30) == 0  # 2.79 TB of states alone
+
+
+@pytest.mark.parametrize("stops", [True, False])
+@pytest.mark.parametrize("ckpt, prec", [("full", "fp32"), ("selective", "fp32"), ("full", "fp8")])
+def test_each_rerun_adds_what_the_walk_says(ckpt, prec, stops, monkeypatch):
+    # the re-run's own bytes, unit by unit: the most it adds over what was alive when it started,
+    # measured (LiveTensors inside checkpoint.Unit.rerun) and walked (inside ledger/walk._rerun).
+    # A step's peak never falls inside a re-run here, so this is what holds the early stop to the
+    # byte: where it stops (before an op that saves its inputs first: Walk.undo), or that it does not
+    # (precision.Recipe.rerun_stops_early, off for Transformer Engine); fp8's Function saves after it ran
+    import checkpoint
+    import precision
+    from ledger import walk as walk_module
+    monkeypatch.setattr(precision.Recipe, "rerun_stops_early", property(lambda self: stops))
+    # wide and short, so a re-run's last ops (not the s x s softmax) would be its most: where it stops shows
+    wide = ["--n_layer=2", "--n_embd=128", "--n_head=2", "--block_size=16", "--batch_size=8", "--seed=3"]
+    cfg = replace(parse_args(wide + [f"--precision={prec}", f"--ckpt={ckpt}", "--dropout=0.0"]), device="cpu")
+    measured, walked = [], []
+    model, parts = train.build(cfg, torch.device("cpu"))
+    tracker, rerun = measure.LiveTensors("cpu"), checkpoint.Unit.rerun
+
+    def measured_rerun(unit, saved_inputs):
+        start = tracker.read()
+        tracker.reset_peak()
+        rerun(unit, saved_inputs)
+        measured.append(tracker.peak - start)
+    monkeypatch.setattr(checkpoint.Unit, "rerun", measured_rerun)
+    x, y = measure.random_batch(cfg, "cpu")
+    with tracker:  # the step the ledger walks (micro-step 1: FP8 keeps its weight copies)
+        tracker.adopt([*model.parameters(), *model.buffers(), x, y])
+        accumulate.accumulation_step(model, parts, [(x, y)])
+    real_rule = walk_module._rerun
+
+    def walked_rerun(g, node, grads):
+        start, first = g.walk.total, len(g.walk.totals)
+        out = real_rule(g, node, grads)
+        walked.append(max(g.walk.totals[first:], default=start) - start)
+        return out
+    monkeypatch.setattr(walk_module, "_rerun", walked_rerun)
+    ml.peak_estimate(cfg)
+    assert measured == walked and len(measured) == cfg.n_layer, f"bytes each re-run added: measured {measured}, " \
+                                                                 f"walked {walked}"
+
+
+@pytest.mark.parametrize("ckpt", ["full", "selective"])
+def test_peak_exact_when_the_rerun_runs_to_the_end(ckpt, monkeypatch):
+    # Transformer Engine's runs turn the re-run's early stop off (precision.Recipe.rerun_stops_early):
+    # the walk follows the real re-run to its unit's end (ledger/ops.Sizes.rerun_stops_early)
+    import precision
+    monkeypatch.setattr(precision.Recipe, "rerun_stops_early", property(lambda self: False))
+    assert not ml.sizes(replace(parse_args(HEAVY), device="cpu")).rerun_stops_early
+    peaks(["--precision=fp32", f"--ckpt={ckpt}", "--dropout=0.1"])
