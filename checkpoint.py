@@ -2,7 +2,7 @@
 node that re-runs the unit in backward, and the policies that decide what it recomputes.
 
 Chapter section 3. Read first: `recompute` (the forward keeps slot numbers, not tensors), then
-`Unit` (what a re-run files for each slot), then `Rerun` (the node that re-runs), then the
+`Unit` (what a re-run files for each slot), then `RerunNode` (the node that re-runs), then the
 policies (each one class: which units it recomputes), then `apply_policy`.
 
 Policies (CKPT=), one class each in POLICIES:
@@ -85,7 +85,7 @@ class Unit:
     gradients flow through them into the rest of the graph (DDP's hooks and the FP32 gradient
     buffers see nothing unusual). But each tensor a node of the unit saves is packed as a slot
     number (`slot`, a saved-tensor hook): the forward keeps none of them. In backward the unit's
-    output node (`Rerun`) runs fn again, before any node of the unit needs its tensors, and
+    output node (`RerunNode`) runs fn again, before any node of the unit needs its tensors, and
     `keep` files each tensor the re-run saves under its slot (the same ops save the same tensors
     in the same order); each node of the unit takes its own back (`take`) when its backward runs,
     and they go when it is done. `contexts`' second half is what the precision needs around the
@@ -96,7 +96,7 @@ class Unit:
         self.is_tensor = [torch.is_tensor(a) for a in args]
         self.non_tensors = [None if t else a for a, t in zip(args, self.is_tensor)]
         tensors = [a for a in args if torch.is_tensor(a)]
-        self.requires_grad = [t.requires_grad for t in tensors]  # Rerun saves them detached
+        self.requires_grad = [t.requires_grad for t in tensors]  # RerunNode saves them detached
         self.device = tensors[0].device if tensors else torch.device("cpu")
         self.rng = rng_state(self.device)  # so dropout draws the same masks when re-run
         self.autocast = _autocast_state(self.device)  # backward runs outside the caller's autocast
@@ -156,7 +156,7 @@ def _never_unpacked(packed):
     raise RuntimeError("the re-run's own graph is not differentiated")
 
 
-class Rerun(torch.autograd.Function):
+class RerunNode(torch.autograd.Function):
     """The unit's outputs as a node of their own: its backward re-runs the unit (Unit.rerun) from
     the inputs it saved, then hands the outputs' gradients on, unchanged, to the unit's last
     nodes. The inputs come in detached: they are saved here, but no gradient flows to them
@@ -183,7 +183,7 @@ def recompute(fn, *args, contexts=None, stop_early=True):
     What it does differently from torch.utils.checkpoint (non-reentrant; make bench's reference
     row, tests/test_checkpoint.py its oracle), and why: the same saved-tensor hooks and the same
     early stop, but the re-run happens in one place you can read, the unit's output node
-    (`Rerun`), instead of inside whichever of the unit's nodes first unpacks a saved tensor; and
+    (`RerunNode`), instead of inside whichever of the unit's nodes first unpacks a saved tensor; and
     the inputs go as soon as that node has re-run the unit (PyTorch's keep them until the
     unit's last node is done). The RNG state is kept whether or not fn draws random numbers.
 
@@ -200,7 +200,7 @@ def recompute(fn, *args, contexts=None, stop_early=True):
     outputs = output if isinstance(output, tuple) else (output,)
     if not all(torch.is_tensor(t) for t in outputs):
         raise TypeError("recompute: fn must return a tensor or a tuple of tensors")
-    return Rerun.apply(unit, len(outputs), *outputs, *(a.detach() for a in args if torch.is_tensor(a)))
+    return RerunNode.apply(unit, len(outputs), *outputs, *(a.detach() for a in args if torch.is_tensor(a)))
 
 
 def torch_recompute(fn, *args, contexts=None, stop_early=True):

@@ -305,7 +305,7 @@ def input_bytes(cfg):
 def rng_state_bytes(cfg):
     """Host bytes of the RNG states the recompute units keep (checkpoint.Unit.rng,
     snapshot.rng_state): one per unit of the policy (a run of blocks, or one block's core),
-    alive from the forward until backward is done (its Rerun node holds it). The CPU generator's state is a
+    alive from the forward until backward is done (its RerunNode holds it). The CPU generator's state is a
     byte tensor whose size torch decides (torch.get_rng_state(), read here, not assumed); on
     CUDA each unit also keeps the CUDA generator's state, seed and Philox offset, 8 + 8 bytes,
     also a CPU tensor (CUDAGeneratorImpl::get_state in aten/src/ATen/cuda/CUDAGeneratorImpl.cpp).

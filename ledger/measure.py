@@ -163,7 +163,7 @@ class ModulePath:
 def saving_nodes(loss, found):
     """Fill in, for each storage in `found`, the autograd nodes (grad_fn names) of loss's graph
     that hold it: a node's saved tensors are its `_saved_*` attributes, or a custom Function's
-    saved_tensors (checkpoint.Rerun: a unit's inputs; fp8's)."""
+    saved_tensors (checkpoint.RerunNode: a unit's inputs; fp8's)."""
     names, seen, stack = {}, set(), [loss.grad_fn]
     while stack:
         node = stack.pop()
@@ -345,7 +345,7 @@ def random_batch(cfg, device, b=None):
 
 def rng_state_bytes(loss):
     """Host bytes of the RNG states held by the recompute units in loss's autograd graph
-    (checkpoint.Unit.rng, found through each unit's output node: checkpoint.Rerun's ctx *is* the
+    (checkpoint.Unit.rng, found through each unit's output node: checkpoint.RerunNode's ctx *is* the
     graph node), distinct storages."""
     seen, stack, found = set(), [loss.grad_fn], {}
     while stack:
@@ -353,7 +353,7 @@ def rng_state_bytes(loss):
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, checkpoint.Rerun._backward_cls):
+        if isinstance(node, checkpoint.RerunNode._backward_cls):
             for t in node.unit.rng.values():
                 found[storage_key(t)] = t.untyped_storage().nbytes()
         stack.extend(fn for fn, _ in node.next_functions)

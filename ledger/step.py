@@ -11,7 +11,7 @@ Under each recompute policy (checkpoint.py), as the Plan of its units:
   no unit    every block's saved tensors are alive when backward starts; each block frees
              its own as backward passes through it.
   core units the attention core's saved tensors come back for the length of its own
-             backward: its output node (checkpoint.Rerun) re-runs it up to att @ v, whose
+             backward: its output node (checkpoint.RerunNode) re-runs it up to att @ v, whose
              inputs are the last tensors it saves; its q, k and v go once that is done.
   block units only the unit inputs are alive; backward re-runs a unit's forward up to the
              last tensor it saves (every block of the unit saves everything again), and

@@ -17,7 +17,7 @@ runs the code it describes:
     the gradient it consumed; a tensor used twice sums its two gradients into a new one;
   a recompute unit (checkpoint.recompute) keeps only its inputs: its forward records its
     Nodes as usual but they save slot numbers, not storages; in backward the unit's output
-    Node (checkpoint.Rerun) runs it again, filing what each Node saves under its slot, and
+    Node (checkpoint.RerunNode) runs it again, filing what each Node saves under its slot, and
     stops after the last one; each Node takes its own back when it runs.
 
 Kinds of bytes, for the breakdown at the peak: a storage some Node saved is an activation;
@@ -265,7 +265,7 @@ class Graph:
 
     def unit(self, name, fn, *args, term, scope):
         """checkpoint.recompute around fn(*args): fn runs with grad, its Nodes keeping slots, not
-        storages; then the unit's output Node (checkpoint.Rerun) keeps only its tensor arguments
+        storages; then the unit's output Node (checkpoint.RerunNode) keeps only its tensor arguments
         and, in backward, re-runs fn (_rerun). Without grad (evaluation) it is just fn(*args)."""
         if not self.grad_enabled:
             return fn(*args)
@@ -402,7 +402,7 @@ class _Enough(Exception):
 
 
 def _rerun(g, node, grads):
-    """checkpoint.Rerun.backward: fn run again on the saved inputs (handles on their storages: no
+    """checkpoint.RerunNode.backward: fn run again on the saved inputs (handles on their storages: no
     memory) with grad, its saves filed in the unit (FP8 reuses the kept weight copies), stopped
     after the last (what it made and nobody saved goes as the re-run ends); then the incoming
     gradient handed on unchanged. The inputs go when the node releases them, unless the re-run
