@@ -74,6 +74,44 @@ def _autocast(state):
     return torch.autocast(**state) if state else nullcontext()
 
 
+def recompute(fn, *args, contexts=None, stop_early=True):
+    """Call fn(*args) so that the tensors its ops save for backward are recomputed instead of kept.
+    fn returns a tensor or a tuple of tensors.
+
+    The forward runs fn with grad, so autograd records the unit's nodes as usual and the
+    gradients flow through them into the rest of the graph (DDP's hooks, FSDP's and the FP32
+    gradient buffers see nothing unusual). But each tensor a node of the unit saves is packed
+    as a slot number (Unit.slot, a saved-tensor hook): the forward keeps none of them. The
+    outputs then pass through a node of their own (RerunNode), which keeps the unit's inputs
+    and, in backward, re-runs the unit before any of its nodes needs what it saved (Unit.rerun).
+
+    What it does differently from torch.utils.checkpoint (non-reentrant; make bench's reference
+    row, tests/test_checkpoint.py its oracle), and why: the same saved-tensor hooks and the same
+    early stop, but the re-run happens in one place you can read, the unit's output node,
+    instead of inside whichever of the unit's nodes first unpacks a saved tensor; and the
+    inputs go as soon as that node has re-run the unit (PyTorch's keep them until the unit's
+    last node is done). The price: every gradient must enter the unit through fn's outputs (a
+    tensor made inside the unit and used outside it would need its saved tensors before the
+    re-run: refused in one line, see Unit.take). The RNG state is kept whether or not fn draws
+    random numbers.
+
+    contexts: None, or a callable giving (around the forward, around the re-run); it is called
+    only where there will be a backward (in evaluation a precision's context would wait for a
+    re-run that never comes: TE's recompute flags queue one per unit). stop_early: whether the
+    re-run may stop after the last tensor the unit saves (rerun_stops_early says when not)."""
+    if not torch.is_grad_enabled():
+        return fn(*args)  # evaluation: no graph, no backward, nothing to recompute
+    around_forward, around_rerun = contexts() if contexts else (nullcontext(), nullcontext())
+    unit = Unit(fn, args, around_rerun, stop_early)
+    with torch.autograd.graph.saved_tensors_hooks(unit.slot, unit.take), around_forward:
+        output = fn(*args)
+    outputs = output if isinstance(output, tuple) else (output,)
+    if not all(torch.is_tensor(t) for t in outputs):
+        raise TypeError("recompute: fn must return a tensor or a tuple of tensors")
+    outputs = RerunNode.apply(unit, len(outputs), *outputs, *(a.detach() for a in args if torch.is_tensor(a)))
+    return outputs if isinstance(output, tuple) else outputs[0]
+
+
 class _Enough(Exception):
     """The re-run has made every tensor the unit's nodes saved: the rest of fn is skipped."""
 
@@ -81,15 +119,13 @@ class _Enough(Exception):
 class Unit:
     """One recomputed call of fn: what its re-run needs, and, once re-run, what its nodes saved.
 
-    The forward runs fn with grad, so autograd records the unit's nodes as usual and the
-    gradients flow through them into the rest of the graph (DDP's hooks and the FP32 gradient
-    buffers see nothing unusual). But each tensor a node of the unit saves is packed as a slot
-    number (`slot`, a saved-tensor hook): the forward keeps none of them. In backward the unit's
-    output node (`RerunNode`) runs fn again, before any node of the unit needs its tensors, and
-    `keep` files each tensor the re-run saves under its slot (the same ops save the same tensors
-    in the same order); each node of the unit takes its own back (`take`) when its backward runs,
-    and they go when it is done. `contexts`' second half is what the precision needs around the
-    re-run (precision.Recipe.recompute_contexts: the FP8 weight copies kept from the forward)."""
+    `slot` and `take` are the forward's saved-tensor hooks (pack: a number, not the tensor;
+    unpack: the tensor the re-run filed under that number). `rerun` runs fn again in backward,
+    where `file` is the pack hook: the same ops save the same tensors in the same order, so the
+    n-th tensor saved goes under slot n; each node of the unit takes its own back when its
+    backward runs, and it goes when that node is done. around_rerun: what the precision needs
+    around the re-run (precision.Recipe.recompute_contexts: the FP8 weight copies kept from the
+    forward)."""
 
     def __init__(self, fn, args, around_rerun, stop_early=True):
         self.fn, self.around_rerun, self.stop_early = fn, around_rerun, stop_early
@@ -110,15 +146,19 @@ class Unit:
 
     def take(self, slot):
         """Unpack hook: a node of the unit needs, in its backward, what it saved."""
-        if self.recomputed is None or slot not in self.recomputed:
-            raise RuntimeError("a recomputed unit's saved tensors exist only while backward passes through the "
-                               "unit, once each (to run backward twice, run the forward again)")
+        if self.recomputed is None:
+            raise RuntimeError("a recomputed unit's node needs its saved tensors before the unit was re-run: a tensor "
+                               "made inside the unit is used outside it (recompute: gradients must enter the unit "
+                               "through fn's outputs)")
+        if slot not in self.recomputed:
+            raise RuntimeError("a recomputed unit's saved tensors are used once each: to run backward through it "
+                               "twice, run the forward again")
         return self.recomputed.pop(slot)
 
-    def keep(self, tensor):
+    def file(self, tensor):
         """Pack hook of the re-run: file the tensor under the next slot. After the last slot
         the re-run stops (PyTorch's checkpoint does too): fn's remaining ops feed nothing saved.
-        (Unless stop_early is off: precision.Recipe.rerun_stops_early says why TE turns it off.)"""
+        (Unless stop_early is off: rerun_stops_early says when.)"""
         self.recomputed[len(self.recomputed)] = tensor.detach()
         if len(self.recomputed) == self.n_saved and self.stop_early:
             raise _Enough
@@ -141,7 +181,7 @@ class Unit:
         set_rng_state(self.rng, self.device)
         try:
             with torch.enable_grad(), _recomputing(), _autocast(self.autocast), self.around_rerun, \
-                    torch.autograd.graph.saved_tensors_hooks(self.keep, _never_unpacked):
+                    torch.autograd.graph.saved_tensors_hooks(self.file, _never_unpacked):
                 self.fn(*inputs)
         except _Enough:
             pass
@@ -164,43 +204,28 @@ class RerunNode(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, unit, n_outputs, *outputs_and_inputs):
-        ctx.unit, ctx.n_outputs = unit, n_outputs
+        outputs, inputs = outputs_and_inputs[:n_outputs], outputs_and_inputs[n_outputs:]
+        ctx.unit, ctx.n_inputs = unit, len(inputs)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
-        ctx.save_for_backward(*outputs_and_inputs[n_outputs:])  # the only activations the unit keeps
-        outputs = tuple(t.view_as(t) for t in outputs_and_inputs[:n_outputs])
-        return outputs if n_outputs > 1 else outputs[0]
+        ctx.save_for_backward(*inputs)  # the only activations the unit keeps
+        # an output must be a new tensor for this node to own it: a view costs nothing (but, made
+        # inside a Function, may not be changed in place)
+        views = tuple(t.view_as(t) for t in outputs)
+        ctx.mark_non_differentiable(*(v for v, t in zip(views, outputs) if not t.requires_grad))
+        return views
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.rerun(ctx.saved_tensors)
-        return (None, None, *grads) + (None,) * len(ctx.saved_tensors)
+        ctx.unit.rerun(ctx.saved_tensors)  # saved_tensors unpacks (an outer unit's slots): read once
+        return (None, None, *grads) + (None,) * ctx.n_inputs
 
 
-def recompute(fn, *args, contexts=None, stop_early=True):
-    """Call fn(*args) so that the tensors its ops save for backward are recomputed instead of kept.
-    fn returns a tensor or a tuple of tensors.
-
-    What it does differently from torch.utils.checkpoint (non-reentrant; make bench's reference
-    row, tests/test_checkpoint.py its oracle), and why: the same saved-tensor hooks and the same
-    early stop, but the re-run happens in one place you can read, the unit's output node
-    (`RerunNode`), instead of inside whichever of the unit's nodes first unpacks a saved tensor; and
-    the inputs go as soon as that node has re-run the unit (PyTorch's keep them until the
-    unit's last node is done). The RNG state is kept whether or not fn draws random numbers.
-
-    contexts: None, or a callable giving (around the forward, around the re-run); it is called
-    only where there will be a backward (in evaluation a precision's context would wait for a
-    re-run that never comes: TE's recompute flags queue one per unit). stop_early: whether the
-    re-run may stop after the last tensor the unit saves (precision.Recipe.rerun_stops_early)."""
-    if not torch.is_grad_enabled():
-        return fn(*args)  # evaluation: no graph, no backward, nothing to recompute
-    around_forward, around_rerun = contexts() if contexts else (nullcontext(), nullcontext())
-    unit = Unit(fn, args, around_rerun, stop_early)
-    with torch.autograd.graph.saved_tensors_hooks(unit.slot, unit.take), around_forward:
-        output = fn(*args)
-    outputs = output if isinstance(output, tuple) else (output,)
-    if not all(torch.is_tensor(t) for t in outputs):
-        raise TypeError("recompute: fn must return a tensor or a tuple of tensors")
-    return RerunNode.apply(unit, len(outputs), *outputs, *(a.detach() for a in args if torch.is_tensor(a)))
+def rerun_stops_early(cfg, recipe):
+    """Whether a unit's re-run may stop after the last tensor the unit saves (Unit.file): not under
+    Transformer Engine (precision.Recipe.rerun_stops_early says why) nor FSDP, whose hooks must see
+    each re-run block's forward end (fsdp.py: our re-run runs before FSDP's pre-backward hook, so
+    FSDP gathers the block for it as for a forward, and its post-forward hook sets the block back)."""
+    return recipe.rerun_stops_early and cfg.shard != "fsdp"
 
 
 def torch_recompute(fn, *args, contexts=None, stop_early=True):
@@ -230,6 +255,12 @@ class Policy:
     def core_units(self, n_layer):
         """Blocks whose attention core alone is recomputed (its q, k, v kept)."""
         return []
+
+    def own_cores(self, n_layer):
+        """core_units but those inside a block unit, which re-run with their block already: the
+        cores that are units of their own (what apply_policy, the FLOPs and the ledger count)."""
+        in_units = {i for unit in self.block_units(n_layer) for i in unit}
+        return [i for i in self.core_units(n_layer) if i not in in_units]
 
     def check(self, cfg):
         """Raise UsageError where this policy cannot run with cfg."""
@@ -315,12 +346,11 @@ def apply_policy(model, policy, contexts=None, recompute_fn=recompute, stop_earl
     at its forward (precision.Recipe.recompute_contexts, given by train.build); a core holds no
     Linear and needs none (with Transformer Engine: no TE module inside, nothing to re-enter).
     recompute_fn: ours, or torch_recompute for the reference. stop_early: whether a re-run may
-    stop after the last tensor its unit saves (precision.Recipe.rerun_stops_early)."""
+    stop after the last tensor its unit saves (rerun_stops_early)."""
     recompute_fn = functools.partial(recompute_fn, stop_early=stop_early)
     n = len(model.h)
     units = _checked_units(policy.block_units(n), n)
-    # a core inside a recomputed block is re-run with its block already: no unit of its own
-    cores = set(policy.core_units(n)) - {i for unit in units for i in unit}
+    cores = set(policy.own_cores(n))
     model.block_runner = _unit_runner(units, contexts, recompute_fn) if units else run_blocks_in_order
     for i, block in enumerate(model.h):
         block.attn.core_runner = recompute_fn if i in cores else run_directly  # q, k, v: the core's inputs
@@ -352,7 +382,7 @@ def recompute_flops_per_token(model, policy, stop_early=True):
     A recomputed block runs its forward once more: 2 FLOPs (a multiply and an add) per
     matmul weight per token, plus the attention core's QK^T and @V, 2 x 2*s*h per token;
     a recomputed core alone, the core's. But a re-run stops once it has made the last tensor
-    the unit's nodes saved (Unit.keep), and an op saves its inputs before it runs: a core's
+    the unit's nodes saved (Unit.file), and an op saves its inputs before it runs: a core's
     last op, att @ v, is not re-run, nor is a unit's last block's MLP projection where nothing
     after it saves (no dropout; a plain nn.Linear: fp8's Function saves after it has run).
     Biases and LayerNorms are elementwise work, not counted (nor does FlopCounterMode count
@@ -363,7 +393,7 @@ def recompute_flops_per_token(model, policy, stop_early=True):
     core = 4 * c.block_size * c.n_embd
     units = policy.block_units(n)
     in_units = {i for unit in units for i in unit}
-    cores = set(policy.core_units(n)) - in_units
+    cores = policy.own_cores(n)
     matmuls = lambda block: 2 * sum(p.numel() for p in block.parameters() if p.dim() >= 2)  # noqa: E731
     last = [model.h[unit[-1]].mlp.c_proj for unit in units]
     if not stop_early:

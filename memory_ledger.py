@@ -116,15 +116,14 @@ def sizes(cfg):
                  e=rec.element_bytes, attn=cfg.attn, bias=cfg.bias, drop=cfg.dropout > 0, cuda=cfg.device == "cuda",
                  loss_scaled=rec.loss_scaling != "none", fp8=rec.fp8.backend if rec.fp8 else None,
                  fp8_e5m2=rec.fp8 is not None and rec.fp8.grad == "e5m2",
-                 fp8_history=rec.fp8.history if rec.fp8 else 16, rerun_stops_early=rec.rerun_stops_early)
+                 fp8_history=rec.fp8.history if rec.fp8 else 16,
+                 rerun_stops_early=checkpoint.rerun_stops_early(cfg, rec))
 
 
 def plan(cfg):
     """The recompute policy's units (checkpoint.py), as the walk runs them."""
     policy = checkpoint.policy(cfg)
-    units = policy.block_units(cfg.n_layer)
-    in_units = {i for unit in units for i in unit}  # apply_policy: a core inside a unit is re-run with it
-    return step.Plan(cfg.n_layer, units, [i for i in policy.core_units(cfg.n_layer) if i not in in_units])
+    return step.Plan(cfg.n_layer, policy.block_units(cfg.n_layer), policy.own_cores(cfg.n_layer))
 
 
 @dataclass(frozen=True)
@@ -178,7 +177,7 @@ def activation_terms(cfg):
     block unit. O(1) in L: one block is described, the policy says how many of each kind."""
     p = plan(cfg)
     in_units = {i for unit in p.units for i in unit}
-    n_core = len(set(p.core_units) - in_units)
+    n_core = len(p.core_units)  # Policy.own_cores: none inside a unit
     n_plain = cfg.n_layer - len(in_units) - n_core
     out = {}
     for n, core_unit in ((n_plain, False), (n_core, True)):
@@ -311,7 +310,7 @@ def rng_state_bytes(cfg):
     also a CPU tensor (CUDAGeneratorImpl::get_state in aten/src/ATen/cuda/CUDAGeneratorImpl.cpp).
     Never on the device, so not in the peak."""
     p = plan(cfg)
-    n = len(p.units) + len(set(p.core_units) - {i for unit in p.units for i in unit})
+    n = len(p.units) + len(p.core_units)
     return n * (torch.get_rng_state().numel() + (8 + 8 if cfg.device == "cuda" else 0))
 
 

@@ -107,10 +107,11 @@ class Recipe:
     @property
     def rerun_stops_early(self):
         """Whether a recompute unit's re-run may stop once it has made the last tensor its nodes
-        saved (checkpoint.Unit.keep), skipping the rest. Not under Transformer Engine: a TE
-        module puts its FP8 scales back only when its forward returns (prepare_forward in
-        transformer_engine/pytorch/module/base.py restores them after its yield, with no
-        finally), so a re-run stopped inside one would leave the forward's scales swapped in."""
+        saved (checkpoint.Unit.file), skipping the rest (checkpoint.rerun_stops_early asks). Not
+        under Transformer Engine: a TE module puts its FP8 scales back only when its forward
+        returns (prepare_forward in transformer_engine/pytorch/module/base.py restores them
+        after its yield, with no finally), so a re-run stopped inside one would leave the
+        forward's scales swapped in."""
         return self.fp8 is None or self.fp8.backend != "te"
 
     def loss_scaler(self):

@@ -65,7 +65,7 @@ def build(cfg, device=None):
         sharded = cfg.shard == "fsdp"  # FSDP2 keeps FP32 shards (the master weights), casts per block
         model.to(device=device, dtype=torch.float32 if sharded else recipe.param_dtype)
         checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts,
-                                stop_early=recipe.rerun_stops_early)
+                                stop_early=checkpoint.rerun_stops_early(cfg, recipe))
         if sharded:
             fsdp.apply_fsdp(model, recipe)
         optimizer = make_optimizer(cfg, model, recipe)
@@ -183,7 +183,7 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
     seqs, tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
     flops_per_token = model.flops_per_token()
     hw_flops_per_token = flops_per_token + checkpoint.recompute_flops_per_token(
-        model, checkpoint.policy(cfg), stop_early=parts.recipe.rerun_stops_early)
+        model, checkpoint.policy(cfg), stop_early=checkpoint.rerun_stops_early(cfg, parts.recipe))
     peak = flops.peak_flops(cfg, parts.recipe, device)
     if master:
         log(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "

@@ -59,8 +59,10 @@ class SavedBytes:
     left out: a saved view of one (masked_fill's view of the causal-mask buffer) costs
     nothing new. `total` adds a storage each time it starts being held; `live` follows what
     saved-tensor slots still hold (a node's saved tensors are dropped when backward has run
-    it, or when a recompute's inner graph is freed), and `peak` is the most `live` ever was.
-    The recompute's re-run forward in backward saves through it too.
+    it), and `peak` is the most `live` ever was. What a recompute unit's re-run files for its
+    nodes (checkpoint.Unit.file: its own hooks, which these do not see) is counted too, from
+    when it is filed to when its node takes it (Unit.take). A unit's forward must run inside
+    the context too: its nodes' unpack hook is bound there.
     """
 
     def __init__(self, static=(), where=None):
@@ -100,25 +102,24 @@ class SavedBytes:
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
-        # a recompute unit's re-run keeps what its nodes saved itself (checkpoint.Unit.keep), out
+        # a recompute unit's re-run keeps what its nodes saved itself (checkpoint.Unit.file), out
         # of these hooks' sight, until each node takes its own back (Unit.take): count those too
-        # (a unit's forward must run inside too: its nodes' unpack hook is bound there)
-        keep, take, units = checkpoint.Unit.keep, checkpoint.Unit.take, self._units
+        file, take, units = checkpoint.Unit.file, checkpoint.Unit.take, self._units
 
-        def counted_keep(unit, tensor):
+        def counted_file(unit, tensor):
             # detached, as the unit keeps it: the re-run's graph would hold the re-run's inputs
             units[id(unit), len(unit.recomputed)] = self._pack(tensor.detach())
-            return keep(unit, tensor)
+            return file(unit, tensor)
 
         def counted_take(unit, slot):
             units.pop((id(unit), slot), None)
             return take(unit, slot)
-        self._unit_methods = keep, take
-        checkpoint.Unit.keep, checkpoint.Unit.take = counted_keep, counted_take
+        self._unit_methods = file, take
+        checkpoint.Unit.file, checkpoint.Unit.take = counted_file, counted_take
         return self
 
     def __exit__(self, *exc):
-        checkpoint.Unit.keep, checkpoint.Unit.take = self._unit_methods
+        checkpoint.Unit.file, checkpoint.Unit.take = self._unit_methods
         self._hooks.__exit__(*exc)
 
 

@@ -78,7 +78,7 @@ def tp_components(cfg, t, sp):
     frac = (ml.split_param_count(cfg) / t + (P - ml.split_param_count(cfg))) / P
     p = ml.plan(cfg)
     in_units = {i for unit in p.units for i in unit}
-    n_core = len(set(p.core_units) - in_units)
+    n_core = len(p.core_units)  # Policy.own_cores: none inside a unit
     n_plain = cfg.n_layer - len(in_units) - n_core
     acts = n_plain * tp_block_bytes(cfg, t, sp, False) + n_core * tp_block_bytes(cfg, t, sp, True)
     acts += len(p.units) * ml.census(cfg)[2] // (t if sp else 1)

@@ -70,6 +70,8 @@ def _backward(g, node, grads):
     each op's backward runs (the node holds them all; this rule drops each in turn)."""
     z = g.sizes
     one, bsh, A, e, n = z.b == 1, z.bsh, z.a * z.s * z.s * z.b, z.e, node.name
+    # node.saved is in the record's order (in a recompute unit, its filing order: the same here, since
+    # all of them were made before y)
     keep = {key: Tensor(storage) for key, storage in zip(node.ctx["names"], node.saved)}
     node.release()  # from here `keep` holds them: each goes below as its own op's backward runs
 

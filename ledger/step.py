@@ -34,8 +34,8 @@ class Description:
 @dataclass(frozen=True)
 class Plan:
     """Which units a recompute policy runs through checkpoint.recompute (Policy.block_units,
-    Policy.core_units of checkpoint.py): runs of consecutive blocks, and the blocks whose
-    attention core is one."""
+    Policy.own_cores of checkpoint.py): runs of consecutive blocks, and the blocks whose
+    attention core is a unit of its own."""
     n_layer: int
     units: list
     core_units: list

@@ -241,11 +241,14 @@ class Graph:
 
     def _save_in_unit(self, node, outputs, saved, packs_after):
         """What checkpoint.Unit does with what an op of a unit saves. In the forward (Unit.slot)
-        the node keeps a slot number. In the re-run (Unit.keep) the unit keeps the storage under
+        the node keeps a slot number. In the re-run (Unit.file) the unit keeps the storage under
         the next slot, and after the last one the re-run stops: autograd saves an op's inputs
         before the op runs (its outputs after it: a tensor allocated with the outputs or later),
         so a stop at an input means the op's outputs were never made (`Walk.undo`). A custom
-        Function (packs_after) saves everything after its forward."""
+        Function (packs_after) saves everything after its forward. A saved tensor with term None
+        (kept for the step anyway) takes a slot and holds nothing. (The walk gives slots to the
+        tensors it models; PyTorch packs parameters too. Only where the last slot falls matters,
+        and for every op a unit of this model can end with, it falls on the same side of it.)"""
         unit = self.running_unit
         made = min((t.storage.entry.point for t in outputs), default=None)
         made_here = lambda t: made is not None and t.storage.entry.point >= made  # noqa: E731
@@ -255,9 +258,12 @@ class Graph:
                 node.slots.append((unit, unit.n_saved))
                 unit.n_saved += 1
                 continue
-            self._name(tensor, term)
-            tensor.storage.entry.saved += 1
-            unit.recomputed[len(unit.recomputed)] = tensor.storage
+            if term is None:
+                unit.recomputed[len(unit.recomputed)] = None
+            else:
+                self._name(tensor, term)
+                tensor.storage.entry.saved += 1
+                unit.recomputed[len(unit.recomputed)] = tensor.storage
             if len(unit.recomputed) == unit.n_saved and self.sizes.rerun_stops_early:
                 if not packs_after and not made_here(tensor) and made is not None:
                     self.walk.undo(made)
@@ -277,8 +283,8 @@ class Graph:
             self.running_unit = previous
         previous, self.scope = self.scope, scope
         view = out.view()
-        self.record(name, [out], [view], _rerun, saved=[(t, term) for t in args], fn=fn, unit=unit,
-                    specs=[(t.nbytes, t.layout) for t in args])
+        self.record(name, [out], [view], _rerun, saved=[(t, term) for t in args], packs_after=True, fn=fn,
+                    unit=unit, specs=[(t.nbytes, t.layout) for t in args])
         self.scope = previous
         return view
 
@@ -363,7 +369,7 @@ class Graph:
             node = heapq.heappop(ready)
             grads = buffers.pop(id(node), None) or [None] * node.n_outputs
             if node.slots:  # a Node of a recompute unit: what it saved, from the re-run (Unit.take)
-                node.saved = [unit.recomputed.pop(slot) for unit, slot in node.slots]
+                node.saved = [s for s in (unit.recomputed.pop(slot) for unit, slot in node.slots) if s is not None]
             with self.within(node.prefix, node.scope):
                 outs = node.rule(self, node, grads)
             del grads  # the gradient this node consumed goes (unless its rule passed it on)

@@ -221,7 +221,7 @@ def test_recomputed_dropout_masks_equal_the_forward_masks(policy, segment, monke
     per_block = [forward[1 + 3 * i: 4 + 3 * i] for i in range(len(model.h))]
     if policy == "selective":
         expected = [per_block[i][0] for i in reversed(range(len(model.h)))]  # the core alone, last block first
-    else:  # a unit's last dropout draws its noise, saves it, and there the re-run stops (Unit.keep)
+    else:  # a unit's last dropout draws its noise, saves it, and there the re-run stops (Unit.file)
         expected = [m for unit in reversed(units(policy, len(model.h), segment))
                     for m in [m for i in unit for m in per_block[i]][:-1]]
     assert len(forward) == 1 + 3 * len(model.h) and len(rerun) == len(expected)
@@ -323,7 +323,7 @@ def direct(fn, *args):
     return fn(*args)
 
 
-def test_recompute_non_tensor_args_and_params():
+def test_recompute_non_tensor_args_and_a_closed_over_weight():
     torch.manual_seed(0)
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8, requires_grad=True)
@@ -369,6 +369,40 @@ def test_recompute_tuple_output_with_an_unused_output():
     a, _ = checkpoint.recompute(fn, x)
     a.sum().backward()
     assert torch.equal(x.grad, x.detach().exp())
+    # a 1-tuple stays a tuple, as fn returned it; an output that did not require grad still does not
+    (one,) = checkpoint.recompute(lambda x: (x.sin(),), x)
+    y, frozen = checkpoint.recompute(lambda x: (x.sin(), x.detach().cos()), x)
+    assert one.requires_grad and y.requires_grad and not frozen.requires_grad
+
+
+@pytest.mark.parametrize("outer", ["ours", "torch"])
+def test_recompute_inside_a_recomputed_unit(outer):
+    # the inner unit's inputs are saved through the outer unit's hooks, so the outer re-run files them
+    # and the inner unit's output node takes them once (reading them twice would fail the second time)
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    inner = lambda h: (F.dropout(h @ w, 0.3) * 2).tanh()  # noqa: E731
+    fn = lambda x: inner(x.sin()).cos() + 1  # noqa: E731
+    nested = lambda x: checkpoint.recompute(inner, x.sin()).cos() + 1  # noqa: E731
+    want = grads_of(fn, (x,), [x, w], direct)
+    got = grads_of(nested, (x,), [x, w], ours if outer == "ours" else oracle)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(g, r) for g, r in zip(got[1], want[1]))
+
+
+def test_recompute_refuses_a_gradient_that_bypasses_its_outputs():
+    # ours re-runs at the unit's output node: a tensor made inside and used outside would need its
+    # saved tensors first (PyTorch's re-runs at the first unpack instead), so it is refused in one line
+    x = torch.randn(5, requires_grad=True)
+    inside = []
+
+    def fn(x):
+        inside.append(x.exp())  # exp saves its output: a slot of the unit
+        return x.sin()
+
+    checkpoint.recompute(fn, x)
+    with pytest.raises(RuntimeError, match="used outside it"):
+        inside[0].sum().backward()  # the unit's output node never runs: nothing was re-run
 
 
 def test_recompute_contexts_wrap_the_forward_and_the_rerun():

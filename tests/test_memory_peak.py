@@ -256,13 +256,3 @@ def test_each_rerun_adds_what_the_walk_says(ckpt, prec, stops, monkeypatch):
     ml.peak_estimate(cfg)
     assert measured == walked and len(measured) == cfg.n_layer, f"bytes each re-run added: measured {measured}, " \
                                                                  f"walked {walked}"
-
-
-@pytest.mark.parametrize("ckpt", ["full", "selective"])
-def test_peak_exact_when_the_rerun_runs_to_the_end(ckpt, monkeypatch):
-    # Transformer Engine's runs turn the re-run's early stop off (precision.Recipe.rerun_stops_early):
-    # the walk follows the real re-run to its unit's end (ledger/ops.Sizes.rerun_stops_early)
-    import precision
-    monkeypatch.setattr(precision.Recipe, "rerun_stops_early", property(lambda self: False))
-    assert not ml.sizes(replace(parse_args(HEAVY), device="cpu")).rerun_stops_early
-    peaks(["--precision=fp32", f"--ckpt={ckpt}", "--dropout=0.1"])

@@ -107,7 +107,7 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
     if autocast_reference:
         recipe = precision.recipe(replace(cfg, precision="bf16"))
     peak = flops.peak_flops(cfg, recipe, device)
-    extra = checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg), stop_early=recipe.rerun_stops_early)
+    extra = checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg), stop_early=checkpoint.rerun_stops_early(cfg, recipe))
     if device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(device)
     else:
@@ -164,7 +164,8 @@ def pair_models(cfg, device):
     runs = dict(ours=train.build(cfg, device), torch=train.build(cfg, device))
     model, parts = runs["torch"]
     checkpoint.apply_policy(model, checkpoint.policy(cfg), parts.recipe.recompute_contexts,
-                            recompute_fn=checkpoint.torch_recompute, stop_early=parts.recipe.rerun_stops_early)
+                            recompute_fn=checkpoint.torch_recompute,
+                            stop_early=checkpoint.rerun_stops_early(cfg, parts.recipe))
     return runs
 
 

@@ -186,7 +186,7 @@ def recompute_cost(device, steps, shape):
                  f"selective +{100 * flops['selective']:.1f}%; time full {100 * times['full']:+.0f}%, selective "
                  f"{100 * times['selective']:+.0f}% on {machine(device)}", "+33% of the blocks' work at most (the "
                  "embeddings and head dilute it, and a re-run stops at the last tensor its unit saves: without "
-                 "dropout each block's MLP projection is not re-run); time near the FLOP ratio on a GPU",
+                 "dropout a unit's last MLP projection is not re-run); time near the FLOP ratio on a GPU",
                  0.15 < flops["full"] <= 1 / 3 and near, "" if near else f"{slow_because(device)} is not the FLOP ratio: the recomputed softmax, GELU and "
                  "LayerNorm are elementwise work that the FLOP count leaves out")
 
