@@ -222,9 +222,11 @@ class RerunNode(torch.autograd.Function):
 
 def rerun_stops_early(cfg, recipe):
     """Whether a unit's re-run may stop after the last tensor the unit saves (Unit.file): not under
-    Transformer Engine (precision.Recipe.rerun_stops_early says why) nor FSDP, whose hooks must see
-    each re-run block's forward end (fsdp.py: our re-run runs before FSDP's pre-backward hook, so
-    FSDP gathers the block for it as for a forward, and its post-forward hook sets the block back)."""
+    Transformer Engine (precision.Recipe.rerun_stops_early says why) nor FSDP. Our re-run runs
+    before FSDP2's pre-backward hook, so FSDP takes it for a forward, and a stop inside a block
+    would leave that forward unfinished (its post-forward hook never runs). torch 2.13 tidies
+    that up at the end of backward (tests/test_fsdp.py passes either way, two steps), but FSDP2
+    from torch 2.6 on is not tested here, so we do not lean on it."""
     return recipe.rerun_stops_early and cfg.shard != "fsdp"
 
 

@@ -5,8 +5,8 @@
 Every case builds its runs with train.build (shard=fsdp, or shard=none wrapped in DDP) and steps
 them through accumulate.accumulation_step, on batches every rank can rebuild (ddp_worker's
 make_batches); each rank writes OUT/fsdp-rank<r>.pt, a dict per case:
-  recompute  the whole gradient the optimizer saw after one step, per CKPT policy, and the
-             reduce-scatters the backward issued;
+  recompute  the whole gradient the optimizer saw in each of two steps, per CKPT policy, and the
+             reduce-scatters and all-gathers each step issued;
   accum      reduce-scatters and all-gathers per optimizer step, with and without set_requires_gradient_sync
              on the early micro-steps, and the gradients, for the big-batch oracle;
   overflow   FP16, an inf planted in rank 1's gradient shard at step 1: stepped, norm, scale;
@@ -100,12 +100,14 @@ def case_recompute(rank, world):
     out = {}
     for ckpt, extra in (("none", {}), ("full", {}), ("sqrt", dict(ckpt_segment=2)), ("selective", {})):
         _, model, parts = build(rank, ckpt=ckpt, **extra)
-        sink = []
+        sink, counts = [], []
         record_step(parts, sink)
-        COUNTS["reduce_scatter"] = 0
-        steps(model, parts, rank, world, seed=500, n=1, k=1)
-        out[ckpt] = dict(grads=sink[0]["grads"], names=[k for k, _ in model.named_parameters()],
-                         reduce_scatters=COUNTS["reduce_scatter"])
+        for s in range(2):  # a second step: nothing the first left behind in FSDP's state
+            COUNTS.update(reduce_scatter=0, all_gather=0)
+            steps(model, parts, rank, world, seed=500 + s, n=1, k=1)
+            counts.append(dict(COUNTS))
+        out[ckpt] = dict(grads=[r["grads"] for r in sink], names=[k for k, _ in model.named_parameters()],
+                         counts=counts)
     return out
 
 

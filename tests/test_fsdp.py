@@ -52,19 +52,25 @@ def max_diff(a, b):
 
 @pytest.mark.parametrize("ckpt", ["full", "sqrt", "selective"])
 def test_recompute_gradients_equal_no_recompute(ranks, ckpt):
-    """After one step, every policy's whole gradient is ckpt=none's (FP32): our re-run's gradients
+    """In each of two steps, every policy's whole gradient is ckpt=none's (FP32): our re-run's gradients
     reach FSDP's reduce-scatter (under the old one-node recompute, which differentiated its re-run with
-    autograd.grad, the blocks' gradients were silently None)."""
+    autograd.grad, the blocks' gradients were silently None). Each step issues the reduce-scatters and
+    all-gathers ckpt=none does: the re-run gathers no block a second time, and the first step leaves
+    nothing behind in FSDP's state that changes the second."""
     for rank in range(WORLD):
         got, want = ranks[rank]["recompute"][ckpt], ranks[rank]["recompute"]["none"]
-        for name, g, w in zip(want["names"], got["grads"], want["grads"]):
-            assert w is not None and w.abs().sum() > 0, f"ckpt=none left {name}'s gradient missing or zero: no oracle"
-            assert g is not None, f"ckpt={ckpt}, rank {rank}: no gradient reached {name} (the re-run's was lost)"
-            assert torch.equal(g, w), (f"ckpt={ckpt}, rank {rank}: the gradient of {name} differs from ckpt=none's "
-                                       f"by up to {(g - w).abs().max().item():.3g}")
-        assert got["reduce_scatters"] == want["reduce_scatters"], (
-            f"ckpt={ckpt} reduce-scattered {got['reduce_scatters']} times in one backward, ckpt=none "
-            f"{want['reduce_scatters']}: a block's gradient is lost or reduced twice")
+        for step in range(2):
+            for name, g, w in zip(want["names"], got["grads"][step], want["grads"][step]):
+                assert w is not None and w.abs().sum() > 0, f"ckpt=none left {name}'s gradient missing or zero"
+                assert g is not None, f"ckpt={ckpt}, rank {rank}: no gradient reached {name} (the re-run's was lost)"
+                assert torch.equal(g, w), (f"ckpt={ckpt}, rank {rank}, step {step + 1}: the gradient of {name} "
+                                           f"differs from ckpt=none's by up to {(g - w).abs().max().item():.3g}")
+            mine, none = got["counts"][step], want["counts"][step]
+            assert mine["reduce_scatter"] == none["reduce_scatter"], (
+                f"ckpt={ckpt}, step {step + 1}: {mine['reduce_scatter']} reduce-scatters, ckpt=none "
+                f"{none['reduce_scatter']}: a block's gradient is lost or reduced twice")
+            assert mine["all_gather"] == none["all_gather"], (
+                f"ckpt={ckpt}, step {step + 1}: {mine['all_gather']} all-gathers, ckpt=none {none['all_gather']}")
 
 
 # ---------------------------------------------------------------- accumulation: one reduce-scatter per group per step
