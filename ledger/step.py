@@ -90,7 +90,7 @@ def walk_step(model, sizes, plan, static, groups, master_grads, fp32_sums, shard
     scaled = g.scalar("loss x scale", weighted) if sizes.loss_scaled else weighted
     g.mark("end of forward")
     seed = g.new("backward: the loss gradient", "seed", 4)  # backward()'s ones_like(loss), held till it returns
-    g.backward([(scaled.edge, seed)])
+    g.backward([(scaled, seed)])
     del seed, scaled, weighted
     g.mark("backward done")
     if fp32_sums:  # accumulation_step adds the 16-bit gradients into the FP32 buffers first

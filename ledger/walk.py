@@ -73,12 +73,6 @@ class Tensor:
     def region(self):
         return self.storage.entry.region
 
-    @property
-    def edge(self):
-        """(node, index): where this tensor's gradient goes (torch's get_gradient_edge). Holding the
-        edge does not hold the storage: backward starts from it without the tensor's values."""
-        return self.node, self.index
-
     def view(self, nbytes=None, layout=None):
         """Another handle on the same storage (a view: no memory), with no gradient edge."""
         return Tensor(self.storage, self.nbytes if nbytes is None else nbytes, layout or self.layout)
@@ -167,8 +161,7 @@ class Graph:
         self.walk, self.sizes = walk, sizes
         self.grad_enabled, self.seq, self.prefix, self.scope, self.plan = True, 0, "", None, None
         self.role = None  # what the tensors saved now are kept by (ops.NORM inside a norm)
-        self.running_unit = None  # the recompute unit running now, forward (its saves are slots) or re-run (rerun)
-        self.rerun = False
+        self.running_unit = None  # the recompute unit running now: its forward or, once it has `recomputed`, its re-run
         self.declared, self.grads, self.kept = {"param": {}, "buffer": {}, "fp8 weight": {}, "tied": {}}, {}, {}
 
     # ---------------------------------------------------------------- memory
@@ -254,7 +247,7 @@ class Graph:
         made_here = lambda t: made is not None and t.storage.entry.point >= made  # noqa: E731
         order = sorted(saved, key=lambda pair: made_here(pair[0])) if not packs_after else list(saved)
         for tensor, term in order:
-            if not self.rerun:
+            if unit.recomputed is None:  # the forward
                 node.slots.append((unit, unit.n_saved))
                 unit.n_saved += 1
                 continue
@@ -348,8 +341,8 @@ class Graph:
         return Tensor(Storage(self.walk, entry))
 
     def backward(self, roots):
-        """Run backward from [(edge, its gradient)] (a Tensor's `edge`) through the recorded Nodes."""
-        deps, stack, seen = {}, [node for (node, _), _ in roots], set()
+        """Run backward from [(tensor, its gradient)] through the recorded Nodes."""
+        deps, stack, seen = {}, [t.node for t, _ in roots], set()
         while stack:  # how many edges point at each node: it runs when all have delivered
             node = stack.pop()
             if node is None or id(node) in seen:
@@ -360,10 +353,10 @@ class Graph:
                     deps[id(edge[0])] = deps.get(id(edge[0]), 0) + 1
                     stack.append(edge[0])
         buffers, ready = {}, []
-        for edge, grad in roots:
-            self._deliver(buffers, edge, grad)
-            ready.append(edge[0])
-        del edge, grad  # the caller holds the roots' gradients for as long as backward runs
+        for t, grad in roots:
+            self._deliver(buffers, (t.node, t.index), grad)
+            ready.append(t.node)
+        del t, grad  # the caller holds the roots' gradients for as long as backward runs
         heapq.heapify(ready)
         while ready:
             node = heapq.heappop(ready)
@@ -400,7 +393,7 @@ class _Unit:
     """checkpoint.Unit as the walk keeps it: slots handed out, and the storages the re-run filed."""
 
     def __init__(self):
-        self.n_saved, self.recomputed = 0, {}
+        self.n_saved, self.recomputed = 0, None  # recomputed: {} from the re-run on
 
 
 class _Enough(Exception):
@@ -414,9 +407,9 @@ def _rerun(g, node, grads):
     gradient handed on unchanged. The inputs go when the node releases them, unless the re-run
     saved them again."""
     unit = node.ctx["unit"]
+    unit.recomputed = {}
     if unit.n_saved:
-        previous = g.running_unit, g.rerun
-        g.running_unit, g.rerun = unit, True
+        previous, g.running_unit = g.running_unit, unit
         try:
             with g.enable_grad():
                 node.ctx["fn"](*[Tensor(storage, nbytes, layout) for storage, (nbytes, layout)
@@ -424,5 +417,5 @@ def _rerun(g, node, grads):
         except _Enough:
             pass
         finally:
-            g.running_unit, g.rerun = previous
+            g.running_unit = previous
     return [grads[0]]
