@@ -1,34 +1,21 @@
-"""Activation checkpointing (recomputation) by hand: saved-tensor hooks that keep nothing, a
-node that re-runs the unit in backward, and the policies that decide what it recomputes.
+"""Activation checkpointing (recomputation) by hand: keep a unit's inputs, re-run it in backward.
 
-Chapter section 3. Read first: `recompute` (the forward keeps slot numbers, not tensors), then
-`Unit` (what a re-run files for each slot), then `RerunNode` (the node that re-runs), then the
-policies (each one class: which units it recomputes), then `apply_policy`.
+Chapter section 3. Read first: `NaiveRecompute` (the textbook custom autograd Function, about
+thirty lines), then `recompute` (the real one, PyTorch's design: what the naive one costs, fixed),
+then the policies (each one class: which units a policy recomputes), then `apply_policy`.
 
 Policies (CKPT=), one class each in POLICIES:
-  none       autograd saves every activation of every block.
-  full       each block is a recompute unit: only its input (s*b*h values) is kept;
-             backward re-runs one block at a time, so one block's internals are live.
-  sqrt       CKPT_SEGMENT=k consecutive blocks form one unit (default k = round(sqrt(L))):
-             only L/k segment inputs are kept and one segment's internals are live in
-             backward, about L/k + k block-activations, smallest at k = sqrt(L): O(sqrt(L)).
-  selective  only the attention core (QK^T, softmax, dropout, @V) is recomputed, the
-             part whose activations grow with s^2 but whose FLOPs are small; the big
-             matmul outputs are kept. (sdpa/flash attention already does this inside
-             its kernel: it never stores the softmax and recomputes it in backward.)
-A policy says which units it recomputes: runs of consecutive blocks (`block_units`) and
-blocks whose attention core alone is one (`core_units`), and what it refuses (`check`).
-apply_policy, the recompute FLOPs (HFU), the memory ledger (its saved tensors and its
-peak), CKPT's choices and `make help` all read POLICIES, so a policy nobody wrote cannot
-be asked for, and a new one is one class (tests/test_checkpoint.py defines one in a test:
-every other block).
+  none       autograd keeps every activation of every block.
+  full       each block a unit: only its input (s*b*h values) is kept, one block re-run at a time.
+  sqrt       CKPT_SEGMENT=k blocks a unit (default round(sqrt(L))): L/k inputs kept plus one
+             unit's internals live in backward, L/k + k, smallest at k = sqrt(L): O(sqrt(L)).
+  selective  only the attention core (QK^T, softmax, dropout, @V): the s^2 part, cheap to redo.
+A new policy is one class: apply_policy, the recompute FLOPs, the ledger, CKPT's choices and
+`make help` all read POLICIES.
 
-Cost: a recomputed unit runs its forward twice, so `full` adds one forward of the
-blocks, about +33% of a step (forward 1 unit of work, backward 2), less the ops after the
-last tensor a unit saves, which its re-run skips (`recompute_flops_per_token`).
-`make flops` (tools/demos.py) counts it with FlopCounterMode for each policy.
-
-Model save/resume is called a *snapshot* in this project (snapshot.py), never a checkpoint.
+Cost: a recomputed block runs its forward twice: about +33% of a step (forward 1, backward 2),
+less what its re-run skips after the last tensor the unit saves (`recompute_flops_per_token`).
+Model save/resume is a *snapshot* here (snapshot.py), never a checkpoint.
 """
 import functools
 import math
@@ -41,14 +28,65 @@ from config import UsageError
 from model import run_blocks_in_order, run_directly
 from snapshot import rng_state, set_rng_state
 
-# how deep in re-run forwards the running backward is. A context manager's state, like torch's
-# grad mode: it says what the computation is doing right now, not how the run was configured
-_recompute_depth = 0
+
+# ---------------------------------------------------------------- the naive recompute, first
+
+_TENSOR = object()  # where a tensor argument goes back in
+
+class NaiveRecompute(torch.autograd.Function):
+    """The textbook recompute (PyTorch's reentrant checkpoint): forward runs fn without a graph and
+    keeps only its inputs and the RNG state; backward runs fn again, with a graph, and backpropagates
+    through that graph to the inputs (and, on the way, into the parameters' .grad)."""
+
+    @staticmethod
+    def forward(ctx, fn, contexts, *args):
+        ctx.fn, ctx.args = fn, [_TENSOR if torch.is_tensor(a) else a for a in args]
+        ctx.device = next((a.device for a in args if torch.is_tensor(a)), torch.device("cpu"))
+        ctx.rng = rng_state(ctx.device)  # so dropout draws the same masks when re-run
+        around_forward, ctx.around_rerun = contexts() if contexts else (nullcontext(), nullcontext())
+        ctx.save_for_backward(*(a for a in args if torch.is_tensor(a)))  # the only activations kept
+        with torch.no_grad(), around_forward:
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        tensors = iter(t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
+        inputs = [next(tensors) if a is _TENSOR else a for a in ctx.args]
+        outer_rng = rng_state(ctx.device)
+        set_rng_state(ctx.rng, ctx.device)
+        with torch.enable_grad(), _recomputing(), ctx.around_rerun:
+            outputs = ctx.fn(*inputs)
+        set_rng_state(outer_rng, ctx.device)  # the caller's random stream must not notice the re-run
+        pairs = [(o, g) for o, g in zip(outputs if isinstance(outputs, tuple) else (outputs,), grads)
+                 if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward(*zip(*pairs))  # into the inputs' .grad and the parameters' .grad
+        return (None, None, *(a.grad if torch.is_tensor(a) else None for a in inputs))
+
+
+def naive_recompute(fn, *args, contexts=None, stop_early=True):
+    """fn(*args) through NaiveRecompute (called like `recompute`; it never stops early)."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return NaiveRecompute.apply(fn, contexts, *args)
+
+
+# What the real design below fixes, and how:
+# - the naive backward holds the outputs' gradients (one b*s*h per output) while it re-runs the
+#   unit and backpropagates through all of it; the real one re-runs in the output node, hands the
+#   gradients on and lets the unit's own nodes run in the same backward, each freeing as it goes;
+# - the naive re-run recomputes the unit's last ops, whose outputs nothing saved; the real one
+#   stops once the last saved tensor is made (the early stop: fewer FLOPs, `recompute_flops_per_token`);
+# - the naive backward is a second backward inside the first: gradients reach the parameters from a
+#   nested graph, which FSDP's per-block hooks do not follow (config.py refuses it under FSDP).
+
+# ---------------------------------------------------------------- the real recompute
+
+_recompute_depth = 0  # how deep in re-run forwards the running backward is (like grad mode: state of now)
 
 
 def is_recomputing():
-    """True inside the re-run forward of a recomputed unit (the tests tell the forward's dropout
-    masks from the re-run's with it)."""
+    """True inside a recomputed unit's re-run (the tests tell the re-run's dropout masks with it)."""
     return _recompute_depth > 0
 
 
@@ -62,48 +100,25 @@ def _recomputing():
         _recompute_depth -= 1
 
 
-def _autocast_state(device):
-    if not torch.is_autocast_enabled(device.type):
-        return None
-    return dict(device_type=device.type, dtype=torch.get_autocast_dtype(device.type),
-                cache_enabled=torch.is_autocast_cache_enabled())
-
-
-def _autocast(state):
-    """The forward's autocast region again (or leave autocast as it is, if it had none)."""
-    return torch.autocast(**state) if state else nullcontext()
-
-
 def recompute(fn, *args, contexts=None, stop_early=True):
     """Call fn(*args) so that the tensors its ops save for backward are recomputed instead of kept.
-    fn returns a tensor or a tuple of tensors.
 
-    The forward runs fn with grad, so autograd records the unit's nodes as usual and the
-    gradients flow through them into the rest of the graph (DDP's hooks, FSDP's and the FP32
-    gradient buffers see nothing unusual). But each tensor a node of the unit saves is packed
-    as a slot number (Unit.slot, a saved-tensor hook): the forward keeps none of them. The
-    outputs then pass through a node of their own (RerunNode), which keeps the unit's inputs
-    and, in backward, re-runs the unit before any of its nodes needs what it saved (Unit.rerun).
-
-    What it does differently from torch.utils.checkpoint (non-reentrant; make bench's reference
-    row, tests/test_checkpoint.py its oracle), and why: the same saved-tensor hooks and the same
-    early stop, but the re-run happens in one place you can read, the unit's output node,
-    instead of inside whichever of the unit's nodes first unpacks a saved tensor; and the
-    inputs go as soon as that node has re-run the unit (PyTorch's keep them until the unit's
-    last node is done). The price: every gradient must enter the unit through fn's outputs (a
-    tensor made inside the unit and used outside it would need its saved tensors before the
-    re-run: refused in one line, see Unit.take). The RNG state is kept whether or not fn draws
-    random numbers.
-
-    contexts: None, or a callable giving (around the forward, around the re-run); it is called
-    only where there will be a backward (in evaluation a precision's context would wait for a
-    re-run that never comes: TE's recompute flags queue one per unit). stop_early: whether the
-    re-run may stop after the last tensor the unit saves (rerun_stops_early says when not)."""
+    Forward: fn runs with grad, so autograd records the unit's own nodes, but each tensor one of
+    them saves is packed as a slot number (`Unit.pack_forward`): nothing is kept. The outputs then
+    pass through one node of their own, `RerunNode`, which keeps the inputs.
+    Backward: gradients can only enter the unit through its outputs, so autograd reaches RerunNode
+    before any node of the unit; it re-runs fn (`Unit.rerun`), filing each tensor the re-run saves
+    under its slot (`Unit.pack_rerun`), and each node of the unit then takes its own back
+    (`Unit.unpack`), freed when that node is done. A tensor made inside the unit and used outside
+    breaks that order: `Unit.unpack` enforces it, in one line.
+    contexts: None, or a callable giving (around the forward, around the re-run): the precision's
+    (precision.Recipe.recompute_contexts). stop_early: may the re-run stop after the last saved
+    tensor (`rerun_stops_early` says when not)."""
     if not torch.is_grad_enabled():
         return fn(*args)  # evaluation: no graph, no backward, nothing to recompute
     around_forward, around_rerun = contexts() if contexts else (nullcontext(), nullcontext())
     unit = Unit(fn, args, around_rerun, stop_early)
-    with torch.autograd.graph.saved_tensors_hooks(unit.slot, unit.take), around_forward:
+    with torch.autograd.graph.saved_tensors_hooks(unit.pack_forward, unit.unpack), around_forward:
         output = fn(*args)
     outputs = output if isinstance(output, tuple) else (output,)
     if not all(torch.is_tensor(t) for t in outputs):
@@ -117,15 +132,7 @@ class _Enough(Exception):
 
 
 class Unit:
-    """One recomputed call of fn: what its re-run needs, and, once re-run, what its nodes saved.
-
-    `slot` and `take` are the forward's saved-tensor hooks (pack: a number, not the tensor;
-    unpack: the tensor the re-run filed under that number). `rerun` runs fn again in backward,
-    where `file` is the pack hook: the same ops save the same tensors in the same order, so the
-    n-th tensor saved goes under slot n; each node of the unit takes its own back when its
-    backward runs, and it goes when that node is done. around_rerun: what the precision needs
-    around the re-run (precision.Recipe.recompute_contexts: the FP8 weight copies kept from the
-    forward)."""
+    """One recomputed call of fn: what its re-run needs, and, once re-run, what its nodes saved."""
 
     def __init__(self, fn, args, around_rerun, stop_early=True):
         self.fn, self.around_rerun, self.stop_early = fn, around_rerun, stop_early
@@ -139,14 +146,14 @@ class Unit:
         self.n_saved = 0  # slots handed out in the forward
         self.recomputed = None  # slot -> the tensor the re-run saved there, until its node takes it
 
-    def slot(self, tensor):
-        """Pack hook of the forward: keep a number, not the tensor."""
+    def pack_forward(self, tensor):
+        """The forward's pack hook: keep a number, not the tensor."""
         self.n_saved += 1
         return self.n_saved - 1
 
-    def take(self, slot):
-        """Unpack hook: a node of the unit needs, in its backward, what it saved."""
-        if self.recomputed is None:
+    def unpack(self, slot):
+        """The unpack hook: a node of the unit needs, in its backward, what it saved."""
+        if self.recomputed is None:  # the order rule: RerunNode runs before every node of its unit
             raise RuntimeError("a recomputed unit's node needs its saved tensors before the unit was re-run: a tensor "
                                "made inside the unit is used outside it (recompute: gradients must enter the unit "
                                "through fn's outputs)")
@@ -155,19 +162,16 @@ class Unit:
                                "twice, run the forward again")
         return self.recomputed.pop(slot)
 
-    def file(self, tensor):
-        """Pack hook of the re-run: file the tensor under the next slot. After the last slot
-        the re-run stops (PyTorch's checkpoint does too): fn's remaining ops feed nothing saved.
-        (Unless stop_early is off: rerun_stops_early says when.)"""
+    def pack_rerun(self, tensor):
+        """The re-run's pack hook: file the tensor under the next slot; after the last, stop."""
         self.recomputed[len(self.recomputed)] = tensor.detach()
         if len(self.recomputed) == self.n_saved and self.stop_early:
-            raise _Enough
+            raise _Enough  # fn's remaining ops feed nothing saved (PyTorch's early stop)
         return None  # the re-run's own nodes keep nothing: its graph is thrown away
 
     def rerun(self, saved_inputs):
-        """fn again on the saved inputs, with grad on (so its ops save), with the forward's RNG
-        state and autocast; then the backward's own RNG state back: the caller's random stream
-        must not notice the re-run."""
+        """fn again on the saved inputs, with grad (so its ops save), the forward's RNG state and
+        autocast; then the backward's RNG state back: the caller's stream must not notice."""
         self.recomputed = {}
         if self.n_saved == 0:
             return
@@ -181,7 +185,7 @@ class Unit:
         set_rng_state(self.rng, self.device)
         try:
             with torch.enable_grad(), _recomputing(), _autocast(self.autocast), self.around_rerun, \
-                    torch.autograd.graph.saved_tensors_hooks(self.file, _never_unpacked):
+                    torch.autograd.graph.saved_tensors_hooks(self.pack_rerun, _never_unpacked):
                 self.fn(*inputs)
         except _Enough:
             pass
@@ -197,10 +201,9 @@ def _never_unpacked(packed):
 
 
 class RerunNode(torch.autograd.Function):
-    """The unit's outputs as a node of their own: its backward re-runs the unit (Unit.rerun) from
-    the inputs it saved, then hands the outputs' gradients on, unchanged, to the unit's last
-    nodes. The inputs come in detached: they are saved here, but no gradient flows to them
-    through this node (the unit's own nodes carry those)."""
+    """The unit's outputs as a node of their own: its backward re-runs the unit from the inputs it
+    saved, then hands the outputs' gradients on, unchanged, to the unit's last nodes. The inputs
+    come in detached: saved here, but their gradients flow through the unit's own nodes."""
 
     @staticmethod
     def forward(ctx, unit, n_outputs, *outputs_and_inputs):
@@ -208,9 +211,7 @@ class RerunNode(torch.autograd.Function):
         ctx.unit, ctx.n_inputs = unit, len(inputs)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
         ctx.save_for_backward(*inputs)  # the only activations the unit keeps
-        # an output must be a new tensor for this node to own it: a view costs nothing (but, made
-        # inside a Function, may not be changed in place)
-        views = tuple(t.view_as(t) for t in outputs)
+        views = tuple(t.view_as(t) for t in outputs)  # new tensors, so this node owns them
         ctx.mark_non_differentiable(*(v for v, t in zip(views, outputs) if not t.requires_grad))
         return views
 
@@ -220,23 +221,33 @@ class RerunNode(torch.autograd.Function):
         return (None, None, *grads) + (None,) * ctx.n_inputs
 
 
+def _autocast_state(device):
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return dict(device_type=device.type, dtype=torch.get_autocast_dtype(device.type),
+                cache_enabled=torch.is_autocast_cache_enabled())
+
+
+def _autocast(state):
+    return torch.autocast(**state) if state else nullcontext()
+
+
 def rerun_stops_early(cfg, recipe):
-    """Whether a unit's re-run may stop after the last tensor the unit saves (Unit.file): not under
-    Transformer Engine (precision.Recipe.rerun_stops_early says why) nor FSDP. Our re-run runs
-    before FSDP2's pre-backward hook, so FSDP takes it for a forward, and a stop inside a block
-    would leave that forward unfinished (its post-forward hook never runs). torch 2.13 tidies
-    that up at the end of backward (tests/test_fsdp.py passes either way, two steps), but FSDP2
-    from torch 2.6 on is not tested here, so we do not lean on it."""
+    """Whether a re-run may stop after the last saved tensor: not under Transformer Engine
+    (precision.Recipe.rerun_stops_early says why) nor FSDP, whose post-forward hook must see each
+    block's re-run end (our re-run runs before FSDP2's pre-backward hook: docs/recompute.md)."""
     return recipe.rerun_stops_early and cfg.shard != "fsdp"
 
 
 def torch_recompute(fn, *args, contexts=None, stop_early=True):
-    """PyTorch's own recompute, torch.utils.checkpoint (non-reentrant), called like `recompute`:
-    the reference the tests hold ours to, and `make bench`'s reference row (apply_policy's
-    recompute_fn). contexts: its context_fn; stop_early: its set_checkpoint_early_stop."""
+    """PyTorch's own, torch.utils.checkpoint (non-reentrant), called like `recompute`: the tests'
+    oracle and `make bench`'s reference row. contexts: its context_fn; stop_early: its early stop."""
     kw = dict(context_fn=contexts) if contexts else {}
     with torch.utils.checkpoint.set_checkpoint_early_stop(stop_early):
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kw)
+
+
+IMPLEMENTATIONS = {"hooks": recompute, "naive": naive_recompute}  # CKPT_IMPL's choices
 
 
 # ---------------------------------------------------------------- policies
@@ -259,8 +270,7 @@ class Policy:
         return []
 
     def own_cores(self, n_layer):
-        """core_units but those inside a block unit, which re-run with their block already: the
-        cores that are units of their own (what apply_policy, the FLOPs and the ledger count)."""
+        """core_units but those inside a block unit (they re-run with their block already)."""
         in_units = {i for unit in self.block_units(n_layer) for i in unit}
         return [i for i in self.core_units(n_layer) if i not in in_units]
 
@@ -318,8 +328,7 @@ class Selective(Policy):
 
 
 def policy(cfg):
-    """The Policy cfg.ckpt names, with cfg.ckpt_segment, checked against cfg: UsageError for a
-    policy that does not exist or cannot run here."""
+    """The Policy cfg.ckpt names, checked against cfg: UsageError for one that does not exist or cannot run."""
     cls = POLICIES.get(cfg.ckpt)
     if cls is None:
         raise UsageError(f"--ckpt={cfg.ckpt} is not one of {'|'.join(POLICIES)}")
@@ -344,11 +353,9 @@ def _checked_units(units, n_layer):
 
 def apply_policy(model, policy, contexts=None, recompute_fn=recompute, stop_early=True):
     """Set model.block_runner and each attention's core_runner for `policy` (a Policy).
-    contexts: what the precision needs around a unit of blocks, called with the unit's blocks
-    at its forward (precision.Recipe.recompute_contexts, given by train.build); a core holds no
-    Linear and needs none (with Transformer Engine: no TE module inside, nothing to re-enter).
-    recompute_fn: ours, or torch_recompute for the reference. stop_early: whether a re-run may
-    stop after the last tensor its unit saves (rerun_stops_early)."""
+    contexts: the precision's, called with a unit's blocks at its forward (precision.Recipe.recompute_contexts);
+    a core holds no Linear and needs none. recompute_fn: `recompute`, `naive_recompute` or
+    `torch_recompute`. stop_early: may a re-run stop after the last tensor its unit saves."""
     recompute_fn = functools.partial(recompute_fn, stop_early=stop_early)
     n = len(model.h)
     units = _checked_units(policy.block_units(n), n)
@@ -381,15 +388,11 @@ def _unit_runner(units, contexts, recompute_fn):
 def recompute_flops_per_token(model, policy, stop_early=True):
     """Forward FLOPs per token that recomputation adds: counted in HFU, not in MFU.
 
-    A recomputed block runs its forward once more: 2 FLOPs (a multiply and an add) per
-    matmul weight per token, plus the attention core's QK^T and @V, 2 x 2*s*h per token;
-    a recomputed core alone, the core's. But a re-run stops once it has made the last tensor
-    the unit's nodes saved (Unit.file), and an op saves its inputs before it runs: a core's
-    last op, att @ v, is not re-run, nor is a unit's last block's MLP projection where nothing
-    after it saves (no dropout; a plain nn.Linear: fp8's Function saves after it has run).
-    Biases and LayerNorms are elementwise work, not counted (nor does FlopCounterMode count
-    them; the tests hold this function to its count). (sqrt re-runs every block as full
-    does: it keeps fewer inputs, not fewer re-runs.) stop_early: as apply_policy's.
+    A recomputed block runs its forward again: 2 FLOPs per matmul weight per token, plus the
+    attention core's QK^T and @V, 2 x 2*s*h; a recomputed core alone, the core's. With the early
+    stop a core's att @ v is not re-run, nor a unit's last Linear where nothing after it saves (no
+    dropout; a plain nn.Linear: fp8's Function saves after it has run). Elementwise work is not
+    counted (nor does FlopCounterMode count it). sqrt re-runs every block, as full does.
     """
     c, n = model.cfg, len(model.h)
     core = 4 * c.block_size * c.n_embd
@@ -397,8 +400,10 @@ def recompute_flops_per_token(model, policy, stop_early=True):
     in_units = {i for unit in units for i in unit}
     cores = policy.own_cores(n)
     matmuls = lambda block: 2 * sum(p.numel() for p in block.parameters() if p.dim() >= 2)  # noqa: E731
-    last = [model.h[unit[-1]].mlp.c_proj for unit in units]
     if not stop_early:
         return sum(matmuls(model.h[i]) + core for i in in_units) + core * len(cores)
+    # a unit's last Linear (a 2-D weight), by module order: the order model.Block makes and runs them
+    last = [[m for m in model.h[unit[-1]].modules() if getattr(m, "weight", torch.ones(1)).dim() == 2][-1]
+            for unit in units]
     skipped = sum(2 * proj.weight.numel() for proj in last if type(proj) is torch.nn.Linear and not c.dropout)
     return sum(matmuls(model.h[i]) + core for i in in_units) - skipped + core // 2 * len(cores)

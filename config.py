@@ -21,6 +21,7 @@ FP8_BACKENDS = ("native", "te")
 FP8_RECIPES = ("delayed", "current")
 FP8_GRADS = ("bf16", "e5m2")
 SHARDS = ("none", "zero1", "zero2", "fsdp")  # zero.py, fsdp.py
+CKPT_IMPLS = ("hooks", "naive")  # checkpoint.IMPLEMENTATIONS
 
 
 FP32_MAX = 3.4028234663852886e38  # the optimizer and the master weights compute in FP32
@@ -91,6 +92,8 @@ class Config:
     # activation checkpointing (checkpoint.py)
     ckpt: str = key("none", "what backward recomputes instead of keeping: a policy of checkpoint.POLICIES")
     ckpt_segment: int = key(0, "blocks per recompute unit for ckpt=sqrt; 0 = round(sqrt(n_layer))", at_least=0)
+    ckpt_impl: str = key("hooks", "the recompute: hooks (saved-tensor hooks, as PyTorch's) or naive (the textbook "
+                                  "autograd Function, checkpoint.NaiveRecompute)", CKPT_IMPLS)
     # logging, evaluation, snapshots (train.py)
     log_interval: int = key(10, "steps between progress lines", at_least=1)
     eval_interval: int = key(100, "steps between validation losses", at_least=1)
@@ -169,6 +172,11 @@ def check_meaningful(cfg):
         raise UsageError("--loss_scale_hysteresis applies to dynamic loss scaling (fp16, or loss_scale=dynamic)")
     if cfg.fp32_grad_accum and cfg.precision == "fp32":
         raise UsageError("--fp32_grad_accum sums 16-bit gradients in FP32; with precision=fp32 they already are")
+    if cfg.ckpt_impl != "hooks" and cfg.ckpt == "none":
+        raise UsageError(f"--ckpt_impl={cfg.ckpt_impl} applies to a recompute policy, this run has ckpt=none")
+    if cfg.ckpt_impl == "naive" and cfg.shard == "fsdp":
+        raise UsageError("--ckpt_impl=naive does not run under shard=fsdp: its backward inside backward sends the "
+                         "blocks' gradients around FSDP's per-block hooks (use ckpt_impl=hooks)")
     if cfg.fp32_grad_accum and cfg.shard == "fsdp":
         raise UsageError("--fp32_grad_accum does not apply to shard=fsdp: FSDP already reduces and sums the "
                          "micro-steps' gradients in FP32 (its reduce_dtype)")

@@ -1,40 +1,27 @@
 """The memory ledger: where every byte of a training step goes, as formulas.
 
-Chapter section 4 ("The whole picture of memory optimisation"): the four memory
-components (parameters, gradients, optimizer states, activations) for this model, under
-the techniques of sections 1-3. Read first: `block` (model.Block, op by op: what each op
-makes and what autograd keeps of it), then `state_bytes` (parameters, gradients, FP32
-master weights, AdamW states), then `activation_terms` and `peak_estimate`.
+Chapter section 4 ("The whole picture"): the four memory components (parameters, gradients,
+optimizer states, activations) under the techniques of sections 1-3. Read first: the chapter's
+closed forms just below (16 bytes per parameter, sbh(34 + 5as/h) per layer, 2sbh under full
+recompute, L/k + k under sqrt, ZeRO's bytes per rank), then `block` (model.Block op by op: what
+each op makes and what autograd keeps of it), then `state_bytes` and `activation_terms`.
 
-Every fact about the model is written once: model.py is the code, and `embeddings`,
-`block` and `head` below describe it, line by line, in the ops of ledger/ops.py. The
-parameter count, the saved tensors (per recompute policy, precision, attention core,
-dropout), the peak (ledger/walk.py runs the description like PyTorch runs the code), the
-TP/SP/PP rows and the what-if (ledger/parallel.py) all derive from that description. Change
-model.Block, change `block` beside it, and `make ledger` and the tests are exact again;
-where they are not, `make ledger` names the saved tensors the description does not
-explain (ledger/explain.py). The literature's own formula (Korthikanti et al., in
-ledger/papers.py) stays an independent reference.
+The closed forms are the papers' arithmetic; the op-by-op description (`embeddings`, `block`,
+`head`, in the ops of ledger/ops.py) is what makes the ledger exact: the parameter count, the
+saved tensors under every policy and precision, the peak (ledger/walk.py runs the description as
+PyTorch runs the code), the TP/SP/PP rows and the what-if all derive from it. Change model.Block,
+change `block` beside it; until then `make ledger` names what the description does not explain.
+`make ledger` prints the closed forms beside the description and the measurement, and names what
+differs (ledger/papers.py).
 
-Config in, bytes out. The letters: b micro-batch, s context (block_size), h width (n_embd),
-a heads, L layers, V vocab, P parameter count, e bytes per element of parameters,
-activations and gradients (4 fp32, 2 bf16/fp16/fp8). cfg.device "cuda" selects CUDA's
-saved dtypes and kernels (ledger/ops.py: Sizes), anything else CPU's.
-  "activations" = the bytes autograd holds for backward once the forward has finished
-  (distinct storages saved for backward; parameter and buffer storages excluded: a saved
-  view of a parameter or buffer, like the causal mask, costs nothing new). Under recompute
-  that is only the units' inputs; the internals of one unit come back during backward and
-  are counted in the *peak*, not in "activations".
-  "inputs" = the batch: token ids and targets, int64, 2 x b*s*8 bytes. Autograd holds
-  references to them (the embedding saves the ids, the loss the targets), but the caller
-  made them before the forward and holds them past the step: the step's input, never in
-  "activations" (MemTracker files them as inputs too).
-  "rng_states" = host memory: the RNG state each recompute unit keeps (checkpoint.Unit)
-  so that dropout draws the same masks when re-run. Not device memory, not in the peak.
-  "peak" = the most bytes alive at any moment of a steady-state step (optimizer states
-  already exist), and where in the step it happens.
+Letters: b micro-batch, s context, h width, a heads, L layers, V vocabulary, P parameters,
+e bytes per element of parameters, activations and gradients (4 fp32, 2 bf16/fp16/fp8).
+"activations" are the storages autograd holds for backward once the forward has finished;
+"inputs" the batch (int64 ids and targets); "rng_states" host memory (one per recompute unit);
+"peak" the most bytes alive at any moment of a steady-state step. docs/ledger.md has the details.
 """
 import functools
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -47,6 +34,52 @@ from ledger.walk import Walk
 
 COMPONENTS = ("parameters", "buffers", "gradients", "master", "optimizer", "fp8_kept", "activations", "inputs",
               "rng_states")
+
+
+# ---------------------------------------------------------------- the chapter's closed forms, first
+
+def bytes_per_param_closed(precision_name):
+    """(parameters, gradients, master, optimizer) bytes per parameter with AdamW. FP32: 4 + 4 + 0 + 8;
+    mixed precision: 2 + 2 + 4 + 8, the ZeRO paper's 2 + 2 + K with K = 12. Both are 16: mixed
+    precision shrinks activations and time, not the states."""
+    if precision_name == "fp32":
+        return 4, 4, 0, 8  # the parameters are the master copy; AdamW's m and v
+    return 2, 2, 4, 8  # 16-bit parameters and gradients; the FP32 master copy; FP32 m and v
+
+
+def layer_activations_closed(s, b, h, a, e=2, dropout=True, sdpa=False):
+    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, eq. 1): with e = 2 and
+    dropout, sbh(34 + 5as/h); without dropout, sbh(32 + 2as/h); with a fused attention kernel (sdpa),
+    which keeps no s x s tensor, 34sbh and 32sbh. Masks are 1 byte per element."""
+    sbh, as2b = s * b * h, a * s * s * b
+    kept = 16 * sbh * e  # the Linears' and norms' inputs, q, k, v, the GELU's input: 16sbh elements
+    if not sdpa:
+        kept += as2b * e  # the softmax output, which att @ V keeps
+    if dropout:
+        kept += 2 * sbh  # the 1-byte masks of the attention output's and the MLP's dropout
+        if not sdpa:
+            kept += as2b + as2b * e  # the softmax dropout's 1-byte mask and its output
+    return kept
+
+
+def full_recompute_layer_closed(s, b, h, e=2):
+    """Bytes a layer keeps under full recompute: its input only, 2sbh at 16 bits."""
+    return s * b * h * e
+
+
+def sqrt_units_closed(n_layer, k):
+    """Layers' worth of activations alive at sqrt recompute's peak: L/k kept unit inputs, plus the k
+    blocks of the one unit being re-run. Smallest at k = sqrt(L), where it is 2 sqrt(L): O(sqrt(L))."""
+    return math.ceil(n_layer / k) + k
+
+
+def zero_bytes_per_rank(n_params, ranks, stage, precision_name="bf16"):
+    """Bytes of model states per rank (ZeRO, Rajbhandari et al. 2020, Table 1): stage 0 (DDP) keeps all
+    16 bytes per parameter; ZeRO-1 splits the master copy and AdamW's states over the N ranks, ZeRO-2
+    the gradients too, ZeRO-3 (FSDP) the parameters too."""
+    params, grads, master, adamw = (n * n_params for n in bytes_per_param_closed(precision_name))
+    split = [master + adamw, grads, params][:stage]
+    return params + grads + master + adamw - sum(split) + sum(split) / ranks
 
 
 # ---------------------------------------------------------------- the model, op by op
@@ -241,25 +274,11 @@ def split_param_count(cfg):
 
 
 def state_bytes(cfg):
-    """Bytes of the four non-activation components (and the model's buffers) for cfg's precision.
-
-    parameters  e*P       the model in its own dtype (fp8 keeps bf16 parameters)
-    gradients   e*P       .grad has the parameter's dtype (+4P FP32 buffers with fp32_grad_accum)
-    master      4P        the FP32 copy AdamW updates; 0 for fp32 (the parameters are the master)
-    optimizer   8P        AdamW's m and v, FP32, on the master copy; plus one FP32 `step` scalar
-                          per tensor, which torch keeps on the CPU (so a CUDA ledger leaves it out)
-    So fp32 is 4+4+0+8 = 16 bytes/param, and bf16/fp16 2+2+4+8 = 16 bytes/param: mixed
-    precision does not shrink the states (ZeRO paper, sec. 3.1), it shrinks activations and time.
-    fp8 is 2+2+4+8 as well (BF16 parameters, FP32 master), plus `fp8_weights` and `fp8_kept` below.
-    buffers     what the description's ops hold beside parameters: each manual core's future mask
-                (bool (1,1,s,s) per block, model.py's `future_mask`; masked_fill saves a view of
-                it, so it is never an activation), 0 for sdpa; native FP8's FP32 amax history and
-                scales per FP8Linear, 12H + 36 bytes (see fp8.FP8Linear).
-    fp8_weights the persistent FP8 weight copies: Transformer Engine's cached E4M3 weight and
-                transpose (formula only); 0 for native (see fp8_weight_copies).
-    fp8_kept    native FP8's E4M3 weight copies, kept from micro-step 1's forward until released
-                before AdamW: alive during a step, not between steps (see fp8_weight_copies).
-    """
+    """Bytes of the non-activation components (and the model's buffers) for cfg's precision: e*P
+    parameters, e*P gradients (+4P FP32 sums with fp32_grad_accum), a 4P FP32 master copy (none for
+    fp32), 8P AdamW m and v (+ a 4-byte step count per tensor, which torch keeps on the CPU: not on
+    CUDA); buffers (the causal masks, FP8's amax history and scales); FP8 weight copies
+    (fp8_weight_copies). docs/ledger.md#states says each in full."""
     P, n_tensors = param_count(cfg)
     rec = precision.recipe(cfg)
     e, copies = rec.element_bytes, fp8_weight_copies(cfg)
@@ -271,22 +290,11 @@ def state_bytes(cfg):
 
 
 def fp8_weight_copies(cfg):
-    """{persistent, kept, transient} bytes of FP8 weight copies beyond the 16-bit parameters: the
-    one place their formulas live (the walk's op-by-op steps are ledger/fp8_ops.py's). The FP8
-    Linears are the description's Linears (4 per block here: 12h^2 weights); the tied head and
-    the embeddings stay BF16.
-
-    native (fp8.FP8Linear): nothing persistent. kept: micro-step 1's forward quantizes each weight
-      once and keeps the E4M3 copy (out*in bytes) with its scale and amax (two 8-byte storages)
-      until accumulate.optimizer_step releases them before AdamW: sum(out*in) L + 16 L bytes per
-      Linear, alive during a step, never between steps (so not state: its own line); with
-      fp8_grad=e5m2 each copy gets a column-major twin at the layer's first backward. transient:
-      the largest weight times its scale in FP32 while it is quantized: 4 x out*in bytes. On CPU
-      every FP8 GEMM also looks its operands up as BF16 through int32 codes (fp8_gemm._look_up).
-    te (Transformer Engine's Linear): its E4M3 weight and the transposed copy, cached across
-      steps, persistent like a parameter: 2 sum(out*in) L. FORMULA ONLY: the ledger does not
-      measure TE, and TE's own amax/scale state and cuBLAS workspace are not counted.
-    """
+    """{persistent, kept, transient} bytes of FP8 weight copies beyond the 16-bit parameters. Native
+    FP8 keeps each Linear's E4M3 weight (out*in bytes, + 16 for its scale and amax) from micro-step 1
+    to the optimizer step (a twin with fp8_grad=e5m2), and quantizes with a 4*out*in FP32 product;
+    Transformer Engine caches an E4M3 weight and its transpose across steps (formula only).
+    docs/ledger.md#fp8 says more."""
     rec = precision.recipe(cfg)
     weights = [info["numel"] for info in block_held(cfg, "fp8 weight")]
     if rec.fp8 is None or rec.fp8.backend == "te":
@@ -302,13 +310,8 @@ def input_bytes(cfg):
 
 
 def rng_state_bytes(cfg):
-    """Host bytes of the RNG states the recompute units keep (checkpoint.Unit.rng,
-    snapshot.rng_state): one per unit of the policy (a run of blocks, or one block's core),
-    alive from the forward until backward is done (its RerunNode holds it). The CPU generator's state is a
-    byte tensor whose size torch decides (torch.get_rng_state(), read here, not assumed); on
-    CUDA each unit also keeps the CUDA generator's state, seed and Philox offset, 8 + 8 bytes,
-    also a CPU tensor (CUDAGeneratorImpl::get_state in aten/src/ATen/cuda/CUDAGeneratorImpl.cpp).
-    Never on the device, so not in the peak."""
+    """Host bytes of the RNG states the recompute units keep (checkpoint.Unit.rng): one per unit, the
+    CPU generator's state as torch sizes it, and on CUDA 16 bytes more (seed and Philox offset)."""
     p = plan(cfg)
     n = len(p.units) + len(p.core_units)
     return n * (torch.get_rng_state().numel() + (8 + 8 if cfg.device == "cuda" else 0))

@@ -65,6 +65,7 @@ def build(cfg, device=None):
         sharded = cfg.shard == "fsdp"  # FSDP2 keeps FP32 shards (the master weights), casts per block
         model.to(device=device, dtype=torch.float32 if sharded else recipe.param_dtype)
         checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts,
+                                recompute_fn=checkpoint.IMPLEMENTATIONS[cfg.ckpt_impl],
                                 stop_early=checkpoint.rerun_stops_early(cfg, recipe))
         if sharded:
             fsdp.apply_fsdp(model, recipe)

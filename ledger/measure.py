@@ -60,8 +60,8 @@ class SavedBytes:
     nothing new. `total` adds a storage each time it starts being held; `live` follows what
     saved-tensor slots still hold (a node's saved tensors are dropped when backward has run
     it), and `peak` is the most `live` ever was. What a recompute unit's re-run files for its
-    nodes (checkpoint.Unit.file: its own hooks, which these do not see) is counted too, from
-    when it is filed to when its node takes it (Unit.take). A unit's forward must run inside
+    nodes (checkpoint.Unit.pack_rerun: its own hooks, which these do not see) is counted too, from
+    when it is filed to when its node takes it (Unit.unpack). A unit's forward must run inside
     the context too: its nodes' unpack hook is bound there.
     """
 
@@ -102,9 +102,9 @@ class SavedBytes:
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
-        # a recompute unit's re-run keeps what its nodes saved itself (checkpoint.Unit.file), out
-        # of these hooks' sight, until each node takes its own back (Unit.take): count those too
-        file, take, units = checkpoint.Unit.file, checkpoint.Unit.take, self._units
+        # a recompute unit's re-run keeps what its nodes saved itself (checkpoint.Unit.pack_rerun), out
+        # of these hooks' sight, until each node takes its own back (Unit.unpack): count those too
+        file, take, units = checkpoint.Unit.pack_rerun, checkpoint.Unit.unpack, self._units
 
         def counted_file(unit, tensor):
             # detached, as the unit keeps it: the re-run's graph would hold the re-run's inputs
@@ -115,11 +115,11 @@ class SavedBytes:
             units.pop((id(unit), slot), None)
             return take(unit, slot)
         self._unit_methods = file, take
-        checkpoint.Unit.file, checkpoint.Unit.take = counted_file, counted_take
+        checkpoint.Unit.pack_rerun, checkpoint.Unit.unpack = counted_file, counted_take
         return self
 
     def __exit__(self, *exc):
-        checkpoint.Unit.file, checkpoint.Unit.take = self._unit_methods
+        checkpoint.Unit.pack_rerun, checkpoint.Unit.unpack = self._unit_methods
         self._hooks.__exit__(*exc)
 
 
@@ -347,16 +347,17 @@ def random_batch(cfg, device, b=None):
 def rng_state_bytes(loss):
     """Host bytes of the RNG states held by the recompute units in loss's autograd graph
     (checkpoint.Unit.rng, found through each unit's output node: checkpoint.RerunNode's ctx *is* the
-    graph node), distinct storages."""
+    graph node; NaiveRecompute's keeps it itself), distinct storages."""
     seen, stack, found = set(), [loss.grad_fn], {}
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, checkpoint.RerunNode._backward_cls):
-            for t in node.unit.rng.values():
-                found[storage_key(t)] = t.untyped_storage().nbytes()
+        rng = node.unit.rng if isinstance(node, checkpoint.RerunNode._backward_cls) else \
+            node.rng if isinstance(node, checkpoint.NaiveRecompute._backward_cls) else {}
+        for t in rng.values():
+            found[storage_key(t)] = t.untyped_storage().nbytes()
         stack.extend(fn for fn, _ in node.next_functions)
     return sum(found.values())
 

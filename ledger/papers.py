@@ -16,9 +16,9 @@ The sources' figures are computed from the sources' formulas, never typed in:
 from dataclasses import replace
 
 import memory_ledger as ml
+import precision
 from config import Config
-from ledger.parallel import (big_config, korthikanti_layer_bytes, korthikanti_layer_terms, tp_block_bytes,
-                             zero_components)
+from ledger.parallel import big_config, korthikanti_layer_terms, tp_block_bytes, zero_components
 
 
 def norm_extras(cfg, t=1):
@@ -43,10 +43,10 @@ def korthikanti_rows(t=8):
     ours = lambda cfg: sum(term.nbytes for term in ml.block_activation_terms(cfg, bool(ml.plan(cfg).core_units)))  # noqa
     no_drop = replace(gpt3, dropout=0.0)
     # eq. 1 less its dropout terms: the a*s^2 mask (1 byte) and output (2 bytes), two sbh masks
-    paper_no_drop = korthikanti_layer_bytes(s, b, h, a) - 3 * a * s * s * b - 2 * sbh
+    paper_no_drop = ml.layer_activations_closed(s, b, h, a, dropout=False)
     sel = replace(gpt3, ckpt="selective")
     return [
-        ("GPT-3 175B, eq. 1 (with dropout)", "sbh(34 + 5as/h)", korthikanti_layer_bytes(s, b, h, a), ours(gpt3),
+        ("GPT-3 175B, eq. 1 (with dropout)", "sbh(34 + 5as/h)", ml.layer_activations_closed(s, b, h, a), ours(gpt3),
          stats, why),
         ("GPT-3 175B, eq. 1 less its dropout terms", "sbh(32 + 2as/h)", paper_no_drop, ours(no_drop),
          norm_extras(no_drop), why),
@@ -58,7 +58,7 @@ def korthikanti_rows(t=8):
          stats, why + " (replicated under TP)"),
         (f"Table 2: TP t={t} + SP + selective", "sbh(34/t)", 34 * sbh // t, tp_block_bytes(sel, t, sp=True),
          norm_extras(gpt3, t), why + " (/ t under SP)"),
-        ("Table 2: full recomputation", "2sbh", korthikanti_layer_bytes(s, b, h, a, "full"), kept_per_layer(gpt3), 0,
+        ("Table 2: full recomputation", "2sbh", ml.full_recompute_layer_closed(s, b, h), kept_per_layer(gpt3), 0,
          "the same: each layer keeps its 16-bit input"),
     ]
 
@@ -82,3 +82,63 @@ def zero_rows(psi=7.5e9, n=64):
         rows.append((f"ZeRO Table 1: {name}", "GB per GPU", paper[stage] / 1e9,
                      (c["parameters"] + c["gradients"] + c["optimizer"]) / 1e9))
     return rows
+
+
+# ---------------------------------------------------------------- the closed forms beside the description
+
+def closed_form_rows(cfg):
+    """[(quantity, formula, closed, described, [(difference, bytes)])] for cfg: memory_ledger's closed
+    forms beside the op-by-op description's exact figure, with what differs named and counted, so that
+    closed + the differences = described. A learner's change the differences do not cover shows up as
+    "not explained by the closed form"."""
+    rec, z = precision.recipe(cfg), ml.sizes(cfg)
+    e, sbh, sb = rec.element_bytes, z.bsh, z.b * z.s
+    P, n_tensors = ml.param_count(cfg)
+    st = ml.state_bytes(cfg)
+    per = ml.bytes_per_param_closed(rec.name)
+    described = st["parameters"] + st["gradients"] + st["master"] + st["optimizer"]
+    differences = [("AdamW's step count: an FP32 scalar per tensor, kept on the CPU", 4 * n_tensors * (not z.cuda)),
+                   ("the FP32 gradient sums (fp32_grad_accum)", st["gradients"] - per[1] * P)]
+    rows = [_row("model states", f"{sum(per)} bytes/parameter ({' + '.join(map(str, per))}) x P",
+                 sum(per) * P, described, differences)]
+
+    p = ml.plan(cfg)
+    in_units = {i for unit in p.units for i in unit}
+    n_core, n_units = len(p.core_units), len(p.units)
+    n_plain = cfg.n_layer - len(in_units) - n_core
+    sdpa, dropout = cfg.attn == "sdpa", cfg.dropout > 0
+    layer = ml.layer_activations_closed(z.s, z.b, z.h, z.a, e, dropout, sdpa)
+    selective = ml.layer_activations_closed(z.s, z.b, z.h, z.a, e, dropout, sdpa=True)
+    closed = n_plain * layer + n_core * selective + n_units * ml.full_recompute_layer_closed(z.s, z.b, z.h, e)
+    formula = {"none": "L x sbh(34 + 5as/h)" if dropout else "L x sbh(32 + 2as/h)", "full": "L x 2sbh",
+               "selective": "L x 34sbh" if dropout else "L x 32sbh"}.get(cfg.ckpt, f"{n_units} units x 2sbh "
+                                                                           f"(L/k + k at the peak)")
+    if sdpa and cfg.ckpt == "none":
+        formula = "L x 34sbh" if dropout else "L x 32sbh"
+    kept = n_plain + n_core  # blocks that keep their insides
+    norms = sum(t.nbytes for t in ml.block_activation_terms(cfg) if t.role == ml.NORM) - 2 * e * sbh
+    masks = (kept * 2 * sbh + (0 if sdpa else n_plain * z.a * z.s * sb)) * dropout  # the paper's 1-byte masks
+    differences = [("the norms' statistics (LayerNorm's mean and rstd), which the paper drops", kept * norms),
+                   ("outside the blocks: embeddings, ln_f, the head's input and FP32 log-softmax",
+                    sum(t.nbytes for t in ml.outside_terms(cfg))),
+                   ("dropout's masks in the activation dtype on CPU, not 1 byte", masks * (z.mask_bytes - 1))]
+    if z.core == "sdpa":  # its output is c_proj's input, but an FP8 c_proj keeps an E4M3 copy instead
+        differences.append(("sdpa keeps its FP32 logsumexp (and its output, under FP8)",
+                            n_plain * (4 * z.b * z.a * z.lse_rows + e * sbh * (rec.fp8 is not None))))
+    if z.core == "math":  # q, k, v, the softmax, its mask and its output, all in FP32
+        whole_qkv = 2 * 4 * sbh if (e == 4 and z.b == 1) else 0  # one FP32 sequence: v is c_attn's output, kept
+        differences.append(("CPU's sdpa with dropout runs torch's math path in FP32 (the s x s softmax kept)",
+                            n_plain * (3 * (4 - e) * sbh + 3 * 4 * z.a * z.s * sb + whole_qkv)))
+    if rec.fp8 is not None:  # the four Linears' inputs, h + h + h + 4h per token, at 1 byte instead of e
+        differences.append(("FP8 Linears keep their inputs in E4M3, 1 byte per element",
+                            -kept * (e - 1) * 7 * sbh))
+    rows.append(_row(f"activations, ckpt={cfg.ckpt}", formula, closed, ml.activation_bytes(cfg), differences))
+    return rows
+
+
+def _row(quantity, formula, closed, described, differences):
+    named = [(why, n) for why, n in differences if n]
+    rest = described - closed - sum(n for _, n in named)
+    if rest:
+        named.append(("not explained by the closed form (a change to the model?)", rest))
+    return quantity, formula, closed, described, named

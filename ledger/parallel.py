@@ -33,23 +33,6 @@ def korthikanti_layer_terms(s, b, h, a):
             ("LayerNorms: inputs", 4 * s * b * h)]
 
 
-# the paper's attention-core terms, the ones that grow with a*s^2: what selective recompute drops
-KORTHIKANTI_CORE = frozenset({"attention: softmax output", "attention: softmax dropout mask",
-                              "attention: dropout output"})
-
-
-def korthikanti_layer_bytes(s, b, h, a, policy="none"):
-    """Per-layer bytes from korthikanti_layer_terms: none = all terms, sbh(34 + 5as/h); selective =
-    all but the a*s^2 attention-core terms (KORTHIKANTI_CORE), 34sbh; full = the layer's 16-bit
-    input only, 2sbh. (Our block: the LayerNorm statistics on top, and no mask term: model.py's
-    future_mask is a buffer, so the saved mask of masked_fill is a view of it, not an activation.)"""
-    if policy == "full":
-        return 2 * s * b * h
-    terms = korthikanti_layer_terms(s, b, h, a)
-    assert KORTHIKANTI_CORE <= {n for n, _ in terms}
-    return sum(v for n, v in terms if policy != "selective" or n not in KORTHIKANTI_CORE)
-
-
 # ---------------------------------------------------------------- the parallel techniques, per GPU
 
 def tp_block_bytes(cfg, t, sp, core_unit=None):

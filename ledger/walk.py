@@ -233,8 +233,8 @@ class Graph:
             entry.role = entry.role or self.role
 
     def _save_in_unit(self, node, outputs, saved, packs_after):
-        """What checkpoint.Unit does with what an op of a unit saves. In the forward (Unit.slot)
-        the node keeps a slot number. In the re-run (Unit.file) the unit keeps the storage under
+        """What checkpoint.Unit does with what an op of a unit saves. In the forward (Unit.pack_forward)
+        the node keeps a slot number. In the re-run (Unit.pack_rerun) the unit keeps the storage under
         the next slot, and after the last one the re-run stops: autograd saves an op's inputs
         before the op runs (its outputs after it: a tensor allocated with the outputs or later),
         so a stop at an input means the op's outputs were never made (`Walk.undo`). A custom
@@ -361,7 +361,7 @@ class Graph:
         while ready:
             node = heapq.heappop(ready)
             grads = buffers.pop(id(node), None) or [None] * node.n_outputs
-            if node.slots:  # a Node of a recompute unit: what it saved, from the re-run (Unit.take)
+            if node.slots:  # a Node of a recompute unit: what it saved, from the re-run (Unit.unpack)
                 node.saved = [s for s in (unit.recomputed.pop(slot) for unit, slot in node.slots) if s is not None]
             with self.within(node.prefix, node.scope):
                 outs = node.rule(self, node, grads)

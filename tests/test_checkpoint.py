@@ -201,6 +201,46 @@ def test_gradients_equal_none_and_torch_checkpoint(policy, segment, dropout):
         assert not torch.equal(other[0], ours[0])
 
 
+@pytest.mark.parametrize("policy,segment", POLICIES + [("none", 0)])
+def test_the_naive_recompute_gives_the_real_ones_gradients(policy, segment):
+    # the textbook Function (checkpoint.NaiveRecompute) beside the real one, every policy, with dropout:
+    # the same loss and gradients bit for bit, the caller's random stream untouched by its re-run
+    x, y = batch()
+    torch.manual_seed(0)
+    config = Config(**{**SMALL, "dropout": 0.2, "ckpt": policy, "ckpt_segment": segment, "ckpt_impl": "naive"})
+    naive = checkpoint.apply_policy(GPT(config), checkpoint.policy(config),
+                                    recompute_fn=checkpoint.IMPLEMENTATIONS[config.ckpt_impl])
+    calls = []
+    apply = checkpoint.NaiveRecompute.apply
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint.NaiveRecompute, "apply", lambda *a: (calls.append(1), apply(*a))[1])
+        theirs = train_step(naive, x, y)
+    real = train_step(make_model(policy, segment, dropout=0.2), x, y)
+    expected_units = len(units(policy, 4, segment)) + len(checkpoint.POLICIES[policy](segment).own_cores(4))
+    assert len(calls) == expected_units, f"{len(calls)} naive units ran, {expected_units} expected"
+    assert_same(theirs, real)
+    assert torch.equal(theirs[3], real[3]), "the naive re-run moved the caller's random stream"
+
+
+def test_the_naive_recompute_keeps_only_its_inputs():
+    # after the forward, a unit of the naive recompute holds what the real one holds: its input
+    x, y = batch()
+    saved = {}
+    for impl in checkpoint.IMPLEMENTATIONS:
+        torch.manual_seed(0)
+        model = checkpoint.apply_policy(GPT(Config(**{**SMALL, "ckpt": "full"})), checkpoint.Full(),
+                                        recompute_fn=checkpoint.IMPLEMENTATIONS[impl])
+        with SavedBytes([*model.parameters(), *model.buffers()]) as counter:
+            model(x, y)
+        saved[impl] = counter.total
+    assert saved["naive"] == saved["hooks"], f"bytes kept by the forward: {saved}"
+
+
+def test_the_ckpt_impl_choices_are_checkpoints():
+    from config import CKPT_IMPLS
+    assert set(CKPT_IMPLS) == set(checkpoint.IMPLEMENTATIONS)
+
+
 @pytest.mark.parametrize("policy,segment", [("full", 0), ("sqrt", 0), ("selective", 0)])
 def test_recomputed_dropout_masks_equal_the_forward_masks(policy, segment, monkeypatch):
     p = 0.5
@@ -221,7 +261,7 @@ def test_recomputed_dropout_masks_equal_the_forward_masks(policy, segment, monke
     per_block = [forward[1 + 3 * i: 4 + 3 * i] for i in range(len(model.h))]
     if policy == "selective":
         expected = [per_block[i][0] for i in reversed(range(len(model.h)))]  # the core alone, last block first
-    else:  # a unit's last dropout draws its noise, saves it, and there the re-run stops (Unit.file)
+    else:  # a unit's last dropout draws its noise, saves it, and there the re-run stops (Unit.pack_rerun)
         expected = [m for unit in reversed(units(policy, len(model.h), segment))
                     for m in [m for i in unit for m in per_block[i]][:-1]]
     assert len(forward) == 1 + 3 * len(model.h) and len(rerun) == len(expected)

@@ -23,8 +23,8 @@ def test_korthikanti_per_layer_formula(s, b, h, a):
     assert sum(terms[n] for n in core) == 5 * a * s * s * b
     selective = sum(v for n, v in terms.items() if n not in core)
     assert selective == 34 * s * b * h  # sec. 5: selective recompute keeps 34sbh
-    assert mp.korthikanti_layer_bytes(s, b, h, a) == sum(terms.values())
-    assert mp.korthikanti_layer_bytes(s, b, h, a, "selective") == selective
+    assert ml.layer_activations_closed(s, b, h, a) == sum(terms.values())  # the chapter's closed forms
+    assert ml.layer_activations_closed(s, b, h, a, sdpa=True) == selective
     # our block on CUDA, BF16, dropout, manual attention = the paper + what the norms keep beyond their
     # inputs (LayerNorm: its FP32 mean/rstd, 2 LNs x 2 x b*s x 4 bytes), which the paper ignores; no mask
     # term: model.py's future_mask is a buffer and masked_fill saves a view of it
