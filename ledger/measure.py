@@ -15,6 +15,7 @@ the forward is reported beside the activations with the slack its block sizes al
 (`allocator_bounds`).
 """
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -362,6 +363,28 @@ def rng_state_bytes(loss):
     return sum(found.values())
 
 
+@contextmanager
+def phases(model, parts, observe):
+    """Call observe(name, ...) as each phase of accumulate.accumulation_step begins, read from outside
+    it: "forward" (each micro-step's forward), "backward" (the scaler's backward, given the weighted
+    loss), "gradients" (after it), "step" (the optimizer's step, the FP8 weight copies released)."""
+    scaler, opt = parts.scaler, parts.optimizer
+    backward, step = scaler.backward, opt.step
+
+    def observed_backward(loss):
+        observe("backward", loss)
+        backward(loss)
+        observe("gradients")
+    scaler.backward = observed_backward  # instance attributes, deleted after: the class's methods again
+    opt.step = lambda *args, **kwargs: (observe("step"), step(*args, **kwargs))[1]
+    starts = model.register_forward_pre_hook(lambda module, args: observe("forward"))
+    try:
+        yield
+    finally:
+        del scaler.backward, opt.step
+        starts.remove()
+
+
 def measure(model, parts, batch, device):
     """Run one accumulation_step of (model, parts) on one micro-batch, and count.
 
@@ -379,7 +402,7 @@ def measure(model, parts, batch, device):
     ledger/explain.py holds against the description.
     forward_growth: the tracker's growth over the forward (LiveTensors on CPU, the allocator on
     CUDA); forward_storages: the byte sizes of the storages the forward left alive (the
-    activations, the kept copies, the loss), which on CPU add up to forward_growth exactly and
+    activations, the kept copies, the loss and the loss times its weight), which on CPU add up to forward_growth exactly and
     on CUDA bound it (allocator_bounds).
     """
     device = torch.device(device)
@@ -397,7 +420,7 @@ def measure(model, parts, batch, device):
     phase, saved, losses = {}, SavedBytes(static + list(batch), where=module_path), []
     hook = model.register_forward_hook(lambda module, args, output: losses.append(output[1]))
 
-    def observe(name):
+    def observe(name, weighted_loss=None):
         phase[name] = tracker.read()
         if name == "backward":
             # what the forward saved, before any recompute re-run, less the kept FP8 copies it made
@@ -408,11 +431,11 @@ def measure(model, parts, batch, device):
             saving_nodes(losses[-1], out["saved_tensors"])
             out["rng_states"] = rng_state_bytes(losses[-1])
             out["forward_storages"] = [v.nbytes for v in activations.values()] + list(kept.values()) \
-                + [losses[-1].untyped_storage().nbytes()]
+                + [losses[-1].untyped_storage().nbytes(), weighted_loss.untyped_storage().nbytes()]
         if name == "gradients":
             out["gradients"] = storage_bytes([p.grad for p in params] + (parts.grad_buffers or []), device)
-        if name == "step":  # the FP8 weight copies kept for this step, just before optimizer_step releases them
-            copies = [m.weight_copy for m in parts.fp8_layers if m.weight_copy is not None]
+            # the FP8 weight copies kept for this step (alive until optimizer_step releases them)
+            copies = [m.weight_copy for m in parts.fp8_layers if getattr(m, "weight_copy", None) is not None]
             out["fp8_kept"] = storage_bytes([t for c in copies for t in (c.data, c.column_major, c.scale, c.amax)],
                                             device)
         tracker.start_phase(name)
@@ -427,11 +450,11 @@ def measure(model, parts, batch, device):
         return adamw_step(*args, **kwargs)
     opt.adamw.step = read_step_gradients
     try:
-        with tracker, saved:
+        with tracker, saved, phases(model, parts, observe):
             tracker.adopt(static + (parts.grad_buffers or []) + list(batch))
             tracker.reset_peak()
             before = tracker.read()
-            accumulate.accumulation_step(model, parts, [batch], observe=observe)
+            accumulate.accumulation_step(model, parts, [batch])
             phase["end"] = tracker.read()
     finally:
         del opt.adamw.step  # the instance attribute goes: AdamW's own step again

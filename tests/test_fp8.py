@@ -23,6 +23,7 @@ from backends import fp8_gemm, fp8_te
 import train
 from config import parse_args
 from conftest import ROOT, merged
+from ledger import measure
 from fp8 import E4M3, E5M2, FP8Linear
 
 # make test gives each file to one xdist worker (--dist loadfile), and the fixtures here are
@@ -477,10 +478,9 @@ def test_fp8_weights_quantized_once_per_optimizer_step(tmp_path, monkeypatch, gr
     seen, weights = count_weight_quantizations(monkeypatch, model)
     batches, kept, copies, alive_in_adamw = batches_of(cfg), [], [], []
 
-    def observe(phase):
-        if phase == "gradients":
+    def observe(phase, *_):
+        if phase == "gradients":  # the last micro-step's copies: the ones AdamW must not see
             kept.append(all(m.weight_copy is not None for m in parts.fp8_layers))
-        if phase == "step":
             copies[:] = [weakref.ref(m.weight_copy) for m in parts.fp8_layers]
     adamw_step = parts.optimizer.adamw.step
     parts.optimizer.adamw.step = lambda: alive_in_adamw.append(sum(c() is not None for c in copies)) or adamw_step()
@@ -488,7 +488,8 @@ def test_fp8_weights_quantized_once_per_optimizer_step(tmp_path, monkeypatch, gr
         micro = [batches.next() for _ in range(3)]
         versions = [m.weight._version for m in parts.fp8_layers]
         seen.clear()
-        loss, _, _ = accumulate.accumulation_step(model, parts, micro, observe=observe)
+        with measure.phases(model, parts, observe):
+            loss, _, _ = accumulate.accumulation_step(model, parts, micro)
         assert sorted(seen) == sorted(weights)  # each weight once, in micro-step 1, none in a recompute
         assert all(m.weight_copy is None for m in parts.fp8_layers)  # released before AdamW
         assert all(m.weight._version > v for m, v in zip(parts.fp8_layers, versions))  # the step bumped them
@@ -782,10 +783,11 @@ def cuda_run(tmp_path, *flags, steps=1, accum=2):
     model, parts = train.build(cfg)
     batches = data.Batches(data.load_tokens(""), cfg.block_size, cfg.batch_size, 0, torch.device("cuda"))
     grads = []
-    observe = lambda phase: grads.append({n: p.grad.clone() for n, p in model.named_parameters()}) \
+    observe = lambda phase, *_: grads.append({n: p.grad.clone() for n, p in model.named_parameters()}) \
         if phase == "step" else None  # noqa: E731
     for _ in range(steps):
-        accumulate.accumulation_step(model, parts, [batches.next() for _ in range(accum)], observe=observe)
+        with measure.phases(model, parts, observe):
+            accumulate.accumulation_step(model, parts, [batches.next() for _ in range(accum)])
     return grads, model
 
 

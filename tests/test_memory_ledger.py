@@ -187,16 +187,18 @@ def test_activations_are_saved_bytes_and_the_forward_leaves_nothing_else(argv):
     """Issue 17, defects 1 and 3: the activations are the storages saved for backward (SavedBytes,
     which reads storages on any device), less the FP8 weight copies the forward kept: those are
     fp8_kept's, counted once. What the forward leaves alive is exactly those activations, the kept
-    copies and the loss: LiveTensors' growth over the forward (exact on CPU) is their sum, which is
+    copies and the loss (and the loss times its weight, made before the
+    scaler's backward, where the reading is): LiveTensors' growth over the forward (exact on CPU) is their sum, which is
     what CUDA's allocator figure is bounded by (measure.allocator_bounds)."""
     cfg, rows, ok, meas = ledger(argv)
     assert ok, tool.failure(cfg, rows.values(), meas)
     # what the forward kept: the E4M3 copies (HYBRID's column-major twins come in backward)
     kept_at_forward = ml.fp8_weight_copies(replace(cfg, fp8_grad="bf16"))["kept"]
     assert meas["forward_growth"] == sum(meas["forward_storages"]) == \
-        meas["activations"] + kept_at_forward + 4, \
+        meas["activations"] + kept_at_forward + 4 + 4, \
         f"the forward grew the live bytes by {meas['forward_growth']:,}; activations {meas['activations']:,} + " \
-        f"kept FP8 copies {kept_at_forward:,} + the 4-byte loss = {meas['activations'] + kept_at_forward + 4:,}"
+        f"kept FP8 copies {kept_at_forward:,} + the 4-byte loss and the 4-byte loss x weight = " \
+        f"{meas['activations'] + kept_at_forward + 8:,}"
 
 
 def test_allocator_bounds_follow_the_caching_allocators_rules():
@@ -313,8 +315,8 @@ def test_fp8_copies_are_kept_across_micro_steps(argv):
     with tracker:
         tracker.adopt(static + (parts.grad_buffers or []) + [t for batch in batches for t in batch])
         start = tracker.read()
-        accumulate.accumulation_step(gpt, parts, batches,
-                                     observe=lambda phase: forwards.append(tracker.read()) if phase == "forward" else 0)
+        with measure.phases(gpt, parts, lambda phase, *_: forwards.append(tracker.read()) if phase == "forward" else 0):
+            accumulate.accumulation_step(gpt, parts, batches)
         end = tracker.read()
     grads = 0 if cfg.fp32_grad_accum else ml.state_bytes(cfg)["gradients"]
     assert forwards[0] == start and forwards[1] - forwards[0] == grads + ml.state_bytes(cfg)["fp8_kept"] + 2 * 4

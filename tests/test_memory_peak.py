@@ -63,12 +63,13 @@ def test_peak_exact_fp8(argv):
 @pytest.mark.parametrize("argv", [["--precision=fp8"], ["--precision=fp8", "--fp8_grad=e5m2", "--ckpt=full"],
                                   ["--precision=fp8", "--ckpt=selective", "--bias=false"], ["--precision=fp16"]])
 def test_the_walk_starts_backward_with_what_is_measured(argv):
-    # at the end of the forward the walk holds the live bytes when backward starts (ledger/measure's "backward"
-    # reading), plus the loss times its weight (and its scale) made right after: for FP8 every kept E4M3 weight
+    # at the end of the forward the walk holds the live bytes when the scaler's backward starts (ledger/measure's
+    # "backward" reading: the loss times its weight made), plus the loss times its scale made inside it: for FP8
+    # every kept E4M3 weight
     cfg = replace(parse_args(HEAVY + argv), device="cpu")
     meas, walk = tool.run_config(cfg, torch.device("cpu")), ml.peak_walk(cfg)
     at = walk.totals[walk.steps.index("end of forward")]
-    scalars = 4 + (4 if ml.sizes(cfg).loss_scaled else 0)
+    scalars = 4 if ml.sizes(cfg).loss_scaled else 0
     assert at == meas["phase"]["backward"] + scalars, \
         f"end of forward: walked {at:,} bytes, measured {meas['phase']['backward']:,} + {scalars} for the loss"
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import accumulate  # noqa: E402
 import train  # noqa: E402
 from ddp_worker import make_batches, tiny_config  # noqa: E402
-from ledger import comm  # noqa: E402
+from ledger import comm, measure  # noqa: E402
 from ledger.measure import storage_bytes  # noqa: E402
 
 K, B, STEPS = 2, 2, 3  # micro-steps, sequences per micro-batch, optimizer steps per case
@@ -48,9 +48,10 @@ def run_case(case, shard, rank, world):
         steps, phases, after = [], [], []
         for step in range(STEPS):
             marks = []
-            observe = lambda name: marks.append((name, count.mark()))  # noqa: E731
+            observe = lambda name, *_: marks.append((name, count.mark()))  # noqa: E731
             first = (step * world + rank) * K
-            loss, stepped, norm = accumulate.accumulation_step(run, parts, batches[first:first + K], observe=observe)
+            with measure.phases(model, parts, observe):
+                loss, stepped, norm = accumulate.accumulation_step(run, parts, batches[first:first + K])
             marks.append(("end", count.mark()))
             steps.append(dict(loss=loss, stepped=stepped, grad_norm=norm))
             after.append([p.detach().clone() for p in model.parameters()])

@@ -123,12 +123,12 @@ def format_closed_forms(cfg, meas):
 
 def allocator_line(cfg, meas):
     """Information, not a check: the live bytes' growth over the forward against the storages the
-    forward left alive (the activations, the kept FP8 copies, the loss). On CPU they are equal; on
+    forward left alive (the activations, the kept FP8 copies, the loss and its weighted copy). On CPU they are equal; on
     CUDA memory_allocated counts allocator blocks, within allocator_bounds of those storages."""
     growth, storages = meas["forward_growth"], meas["forward_storages"]
     if cfg.device != "cuda":
         return (f"  live bytes' growth over the forward {growth:,}: the storages it left alive (activations, "
-                f"kept FP8 copies, the loss) {sum(storages):,}")
+                f"kept FP8 copies, the loss and the loss x weight) {sum(storages):,}")
     low, high = measure.allocator_bounds(storages)
     verdict = "within" if low <= growth <= high else "OUTSIDE"
     return (f"  CUDA allocator's growth over the forward {growth:,} bytes (information): the {len(storages)} "
