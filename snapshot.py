@@ -121,6 +121,7 @@ def check_reachable(folder, flag):
 def save(path, state):
     """Write a snapshot atomically; a failed write (a full disk) keeps the previous one."""
     try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda fh: torch.save(state, fh))
     except OSError as e:
         raise RunError(f"cannot write snapshot {path}: {e.strerror or e}; the previous snapshot is kept") from None

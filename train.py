@@ -16,7 +16,6 @@ import math
 import os
 import signal
 import sys
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -26,7 +25,6 @@ import torch.distributed as dist
 import accumulate
 import checkpoint
 import config
-import flops
 import fp8
 import fsdp
 import precision
@@ -34,10 +32,8 @@ import snapshot
 import zero
 from config import RunError, UsageError
 from data import Batches
-from guards import clean_end as guard
-from guards import snapshot_fields
-from guards.preflight import (MEMORY_HISTORY, check_saved_policy, preflight, resolve_accum, scaler_asked_anew,
-                              torch_floor_error)
+from guards import clean_end, snapshot_fields
+from guards.preflight import check_saved_policy, preflight, resolve_accum, scaler_asked_anew, torch_floor_error
 from ledger import run as ledger_run
 from model import GPT
 
@@ -128,14 +124,14 @@ def train(cfg, log=print):
         if "RANK" not in os.environ:
             return train_loop(cfg, log, accum, 0, device, 1, start)
         if rank != 0:  # it writes nothing, so has nothing to unwind: a signal ends it at once, even in a collective
-            held.enter_context(guard.signals_handled(signal.SIG_DFL))
+            held.enter_context(clean_end.signals_handled(signal.SIG_DFL))
         return train_ddp(cfg, log, accum, device, start)
 
 
 def train_ddp(cfg, log, accum, device, start):
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    with guard.signals_handled(signal.SIG_DFL):  # torchrun's SIGTERM must not wait out the rendezvous
+    with clean_end.signals_handled(signal.SIG_DFL):  # torchrun's SIGTERM must not wait out the rendezvous
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
         history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size(), start)
@@ -164,107 +160,61 @@ def wrap_ddp(model, device):
 
 
 def train_loop(cfg, log, accum, rank, device, world_size, start):
+    """The loop: per optimizer step the learning rate, K micro-batches, one accumulation_step, then
+    evaluation and snapshots when due. `report` says what the run does; `guard` stops it cleanly."""
     snap, train_tokens, val_tokens = start
     model, parts = build(cfg, device)
-    out_dir, start_step, resumed = Path(cfg.out_dir), 0, None
-    # every rank draws its own batches; the validation stream is the same fixed one each eval
+    # every rank draws its own batches; the validation stream is the same fixed one each evaluation
     batches = Batches(train_tokens, cfg.block_size, cfg.batch_size, cfg.seed + 1 + rank, device)
     torch.manual_seed(cfg.seed + 1000 + rank)  # dropout's stream, distinct per rank
-    master = rank == 0
-    every_rank = cfg.shard == "fsdp"  # its forward gathers parameters: evaluation and sampling are collectives
-    if snap is not None:
-        fresh_scaler = scaler_asked_anew(cfg, snap)
-        start_step = resumed = snapshot.restore(snap, model, parts, batches, rank, world_size, device,
-                                                scaler=not fresh_scaler)
-        if master and fresh_scaler:
-            saved = snap["scaler"]["loss_scale"]
-            log(f"loss scale: this run's ({parts.recipe.loss_scaling}, {parts.scaler.loss_scale:g}) replaces the "
-                f"snapshot's ({saved:g}), as its flags ask")
+    start_step = resume(cfg, snap, model, parts, batches, rank, world_size, device, log) if snap else 0
     run_model = wrap_ddp(model, device) if world_size > 1 and cfg.shard == "none" else model  # ZeRO, FSDP: no wrapper
-    seqs, tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
-    flops_per_token = model.flops_per_token()
-    hw_flops_per_token = flops_per_token + checkpoint.recompute_flops_per_token(
-        model, checkpoint.policy(cfg), stop_early=checkpoint.rerun_stops_early(cfg, parts.recipe))
-    peak = flops.peak_flops(cfg, parts.recipe, device)
-    if master:
-        log(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
-            f"precision {parts.recipe.name}, ckpt {cfg.ckpt}, attn {cfg.attn}, device {device}")
-        log(f"effective batch = micro-batch {cfg.batch_size} x world_size {world_size} x accum {accum} "
-            f"= {seqs} sequences = {tokens_per_step} tokens per optimizer step")
-        log(f"data: {len(train_tokens):,} train / {len(val_tokens):,} val bytes; "
-            f"peak for MFU {peak / 1e12:.3g} TFLOP/s")
-        out_dir.mkdir(parents=True, exist_ok=True)
-    history, saved_step, done = [], None, start_step
-    watch = guard.Divergence(parts.recipe)
-    weights = parts.optimizer.model_params + (parts.optimizer.master_params if parts.optimizer.master_weights else [])
+    master, every_rank = rank == 0, cfg.shard == "fsdp"  # FSDP's forward gathers: evaluation is a collective
+    report = ledger_run.Report(cfg, model, parts, device, world_size, accum, start_step,
+                               (len(train_tokens), len(val_tokens)), log, rank)
     probe_batch = Batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.seed, device).next()
-    note = lambda: guard.snapshot_note(out_dir / snapshot.FILE, saved_step, resumed)  # noqa: E731
-    if master and cfg.memory_snapshot:
-        ledger_run.start_history()
-    t_last, tokens_since = time.perf_counter(), 0
-    try:
+    guard = clean_end.Guard(cfg, model, parts, probe_batch, device, world_size, Path(cfg.out_dir) / snapshot.FILE,
+                            start_step if snap else None)
+    history = []
+    with guard.interruptible():
         for step in range(start_step, cfg.max_iters):
             parts.optimizer.set_lr(lr_at(cfg, step))
-            micro = batches.micro_batches(accum, all_at_once=cfg.loss_norm == "tokens")
+            micro_batches = batches.micro_batches(accum, all_at_once=cfg.loss_norm == "tokens")
             scale = parts.scaler.loss_scale
-            loss, stepped, grad_norm = accumulate.accumulation_step(run_model, parts, micro, cfg.loss_norm,
+            loss, stepped, grad_norm = accumulate.accumulation_step(run_model, parts, micro_batches, cfg.loss_norm,
                                                                     cfg.no_sync)
-            watch.after_step(step + 1, loss, stepped, scale)
-            done, tokens_since = step + 1, tokens_since + tokens_per_step
             history.append(dict(step=step + 1, loss=loss, stepped=stepped, grad_norm=grad_norm,
                                 loss_scale=parts.scaler.loss_scale))
-            if master and step == start_step and cfg.ledger:
-                log(ledger_run.ledger_line(cfg, device))
-            if step == start_step and cfg.shard != "none" and (line := ledger_run.states_line(cfg, model, parts,
-                                                                                              world_size)):
-                log(line)  # every rank measured its share; rank 0 says it
-            if master and cfg.memory_snapshot and step + 1 == min(start_step + ledger_run.HISTORY_STEPS,
-                                                                  cfg.max_iters):
-                ledger_run.save_history(out_dir / MEMORY_HISTORY)
-                log(f"wrote {out_dir / MEMORY_HISTORY}: the allocator's history of the first steps; "
-                    f"open it at https://pytorch.org/memory_viz")
-            if master and ((step + 1) % cfg.log_interval == 0 or step + 1 == cfg.max_iters):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                dt = time.perf_counter() - t_last
-                tok_s = tokens_since / dt  # all ranks together
-                per_device = tok_s / world_size  # MFU compares one device's work with one device's peak
-                mfu, hfu = (flops.utilization(per_device, f, peak) for f in (flops_per_token, hw_flops_per_token))
-                pct = lambda u: "n/a" if u is None else f"{100 * u:.1f}%"  # noqa: E731
-                ms = 1000 * dt / (tokens_since // tokens_per_step)
-                log(f"step {step + 1:5d} | loss {loss:.4f} | lr {lr_at(cfg, step):.2e} | {ms:7.1f} ms/step"
-                    f" | {tok_s / 1e3:7.1f}k tok/s | MFU {pct(mfu)} HFU {pct(hfu)} | mem {ledger_run.now(device)[0]}"
-                    f" | scale {parts.scaler.loss_scale:g} skipped {parts.scaler.skipped_steps}")
-                t_last, tokens_since = time.perf_counter(), 0
+            report.after_step(step, loss)
             if (master or every_rank) and (step + 1) % cfg.eval_interval == 0:
-                t_eval = time.perf_counter()
-                val = estimate_loss(model, Batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.seed, device),
-                                    cfg.eval_iters, parts.recipe)
-                if master:
-                    log(f"step {step + 1:5d} | val loss {val:.4f}")
-                history[-1]["val_loss"] = val
-                t_last += time.perf_counter() - t_eval  # evaluation is not training time
+                with report.evaluation(step) as val:
+                    val_batches = Batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
+                    val.append(estimate_loss(model, val_batches, cfg.eval_iters, parts.recipe))
+                history[-1]["val_loss"] = val[0]
             last = step + 1 == cfg.max_iters
             snapshot_due = last or (cfg.snapshot_interval and (step + 1) % cfg.snapshot_interval == 0)
-            if snapshot_due or (step + 1) % cfg.log_interval == 0:
-                # once per log interval (one sync) and before each snapshot; one that would replace
-                # a snapshot is written only if its weights still give a finite loss (one forward)
-                replaces = snapshot_due and (out_dir / snapshot.FILE).exists()
-                probe = guard.probe_loss(model, probe_batch) if replaces else None
-                watch.check(step + 1, weights, cfg, note(), probe, world_size, device)
+            guard.after_step(step + 1, loss, stepped, scale, snapshot_due)
             if snapshot_due:
                 state = snapshot.capture(cfg, model, parts, batches, step + 1, device, world_size)  # every rank
                 if master:
-                    snapshot.save(out_dir / snapshot.FILE, state)
-                saved_step = step + 1
-    except guard.Interrupted as e:
-        e.where = f"step {done} of {cfg.max_iters}; {note()}"
-        raise
+                    snapshot.save(Path(cfg.out_dir) / snapshot.FILE, state)
+                guard.saved(step + 1)
     if (master or every_rank) and cfg.sample_tokens and start_step < cfg.max_iters:
         text = sample(model, device, cfg.sample_tokens)  # every rank's forward under fsdp; rank 0's text
         if master:
             log("sample:\n" + text)
     return history
+
+
+def resume(cfg, snap, model, parts, batches, rank, world_size, device, log):
+    """Load the snapshot into this run; returns the step to continue from. A --loss_scale that
+    differs from the snapshot's asks for a fresh loss scaler, and says so."""
+    fresh_scaler = scaler_asked_anew(cfg, snap)
+    step = snapshot.restore(snap, model, parts, batches, rank, world_size, device, scaler=not fresh_scaler)
+    if rank == 0 and fresh_scaler:
+        log(f"loss scale: this run's ({parts.recipe.loss_scaling}, {parts.scaler.loss_scale:g}) replaces the "
+            f"snapshot's ({snap['scaler']['loss_scale']:g}), as its flags ask")
+    return step
 
 
 @torch.no_grad()
@@ -301,19 +251,19 @@ def sample_from_snapshot(cfg):
 def run(program, argv):
     """Every program's main: program(argv) -> exit status. Bad input is one line and status 2;
     a run that cannot go on, one line and status 1; Ctrl-C and SIGTERM, one line (the step
-    reached, where the last snapshot is) and 130 or 143. Both signals unwind (guard.Interrupted),
+    reached, where the last snapshot is) and 130 or 143. Both signals unwind (clean_end.Interrupted),
     so a file being written atomically is finished or abandoned, never left half-written.
     A torch older than this code supports is refused first, in the same one line."""
     if why := torch_floor_error():
         return say(f"error: {why}", 2)
     try:
-        with guard.signals_handled():
+        with clean_end.signals_handled():
             return program(argv) or 0
     except UsageError as e:
         return say(f"error: {e}", 2)
     except RunError as e:
         return say(f"error: {e}", 1)
-    except guard.Interrupted as e:
+    except clean_end.Interrupted as e:
         return say(e.line(), 128 + e.signum)
 
 

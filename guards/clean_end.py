@@ -117,6 +117,44 @@ def snapshot_note(path, saved_step, resumed_step):
     return f"this run wrote no snapshot ({path} is as it was)" if Path(path).exists() else "no snapshot was written"
 
 
+class Guard:
+    """What stops a run cleanly, behind one name for train.train_loop: divergence (Divergence, checked
+    once per log interval and before each snapshot), the probe loss before a snapshot replaces the last
+    good one, where that snapshot is, and the step an interruption reached."""
+
+    def __init__(self, cfg, model, parts, probe_batch, device, world_size, path, resumed_step):
+        self.cfg, self.model, self.probe_batch, self.device, self.world_size = cfg, model, probe_batch, device, \
+            world_size
+        self.path, self.resumed_step, self.saved_step, self.done = path, resumed_step, None, resumed_step or 0
+        self.watch = Divergence(parts.recipe)
+        opt = parts.optimizer
+        self.weights = opt.model_params + (opt.master_params if opt.master_weights else [])
+
+    def after_step(self, step, loss, stepped, scale, snapshot_due):
+        """step: the step just done (1-based); scale: the loss scale it ran with. Raises RunError."""
+        self.watch.after_step(step, loss, stepped, scale)
+        self.done = step
+        if snapshot_due or step % self.cfg.log_interval == 0:  # one host sync per log interval
+            replaces = snapshot_due and Path(self.path).exists()  # a good snapshot goes only for finite weights
+            probe = probe_loss(self.model, self.probe_batch) if replaces else None
+            self.watch.check(step, self.weights, self.cfg, self.note(), probe, self.world_size, self.device)
+
+    def saved(self, step):
+        self.saved_step = step
+
+    def note(self):
+        return snapshot_note(self.path, self.saved_step, self.resumed_step)
+
+    @contextmanager
+    def interruptible(self):
+        """Ctrl-C and SIGTERM say the step reached and where the last snapshot is."""
+        try:
+            yield
+        except Interrupted as e:
+            e.where = f"step {self.done} of {self.cfg.max_iters}; {self.note()}"
+            raise
+
+
 # ---------------------------------------------------------------- Ctrl-C and SIGTERM
 
 class Interrupted(BaseException):

@@ -23,7 +23,6 @@ from data import host_memory_available, load_tokens, split_tokens
 # K micro-step gradients, each 1/K of the step's, add up in FP32 at best (a 24-bit significand):
 # past 2^24 micro-steps each one is below half an FP32 ulp of the sum and adds nothing
 MAX_ACCUM = 2 ** 24
-MEMORY_HISTORY = "memory_snapshot.pickle"  # --memory_snapshot's file in out_dir
 # the lowest torch this code runs on: checkpoint.py asks torch.is_autocast_enabled(device_type) and
 # torch.get_autocast_dtype(device_type), both new in 2.4 (torch/amp/autocast_mode.py); the rest it
 # calls is older (float8 dtypes and torch._scaled_mm 2.1, whose tuple return before 2.5
@@ -73,7 +72,7 @@ def preflight(cfg, device, rank, held):
             raise UsageError(f"snapshot {path} is not usable: the loss scaler tolerates {left} more overflows, "
                              f"its config's hysteresis only {hysteresis}")
     if rank == 0:  # what a killed run of ours left in out_dir goes
-        snapshot.remove_stale_temps(cfg.out_dir, (snapshot.FILE, snapshot.PROBE, MEMORY_HISTORY))
+        snapshot.remove_stale_temps(cfg.out_dir, (snapshot.FILE, snapshot.PROBE, ledger_run.MEMORY_HISTORY))
     return snap, *tokens
 
 

@@ -1,17 +1,22 @@
-"""Memory as the trainer sees it: will this run fit, how much does it hold now, what did
-the ledger predict, and the allocator's own history for PyTorch's memory visualiser.
+"""What the trainer says while it runs: the progress line, and memory as the trainer sees it (will
+this run fit, how much it holds now, what the ledger predicted, the allocator's own history).
 
-Chapter section 4, applied to a live run. Read memory_ledger.py first (the formulas);
-this file only puts them beside what the machine reports, cheaply: nothing here copies
-the model or runs a step again. train.py calls `check_fits` before building anything,
-`ledger_line` after the first step, `now` in every progress line.
+Chapter section 4, applied to a live run. Read memory_ledger.py first (the formulas), then
+`Report` (everything train.train_loop says, behind one name); nothing here copies the model or
+runs a step again. train.py calls `check_fits` before building anything.
 """
 import dataclasses
 import os
 import pickle
+import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
+import accumulate
+import checkpoint
+import flops
 import memory_ledger
 from config import UsageError
 from data import host_memory_available
@@ -19,6 +24,75 @@ from snapshot import write_atomically
 
 MiB, GiB = 2 ** 20, 2 ** 30
 HISTORY_STEPS = 3  # --memory_snapshot records the first steps: the first creates AdamW's states
+MEMORY_HISTORY = "memory_snapshot.pickle"  # --memory_snapshot's file in out_dir
+
+
+class Report:
+    """What the trainer says while it runs, behind one name for train.train_loop: the header, the
+    progress line (loss, ms/step, tokens/s, MFU and HFU, memory, the loss scale), the ledger's line
+    after the first step, each rank's states under SHARD, the allocator's history (--memory_snapshot).
+    Only rank 0 speaks; `log` is called with each line."""
+
+    def __init__(self, cfg, model, parts, device, world_size, accum, start_step, data_bytes, log, rank=0):
+        self.cfg, self.model, self.parts, self.device, self.world_size = cfg, model, parts, device, world_size
+        self.start_step, self.log, self.master = start_step, log, rank == 0
+        seqs, self.tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
+        self.flops_per_token = model.flops_per_token()
+        self.hw_flops_per_token = self.flops_per_token + checkpoint.recompute_flops_per_token(
+            model, checkpoint.policy(cfg), stop_early=checkpoint.rerun_stops_early(cfg, parts.recipe))
+        self.peak = flops.peak_flops(cfg, parts.recipe, device)
+        if self.master:
+            log(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
+                f"precision {parts.recipe.name}, ckpt {cfg.ckpt}, attn {cfg.attn}, device {device}")
+            log(f"effective batch = micro-batch {cfg.batch_size} x world_size {world_size} x accum {accum} "
+                f"= {seqs} sequences = {self.tokens_per_step} tokens per optimizer step")
+            log(f"data: {data_bytes[0]:,} train / {data_bytes[1]:,} val bytes; "
+                f"peak for MFU {self.peak / 1e12:.3g} TFLOP/s")
+            if cfg.memory_snapshot:
+                start_history()
+        self.t_last, self.tokens_since = time.perf_counter(), 0
+
+    def after_step(self, step, loss):
+        """step: 0-based, just done."""
+        cfg, master, first = self.cfg, self.master, step == self.start_step
+        self.tokens_since += self.tokens_per_step
+        if master and first and cfg.ledger:
+            self.log(ledger_line(cfg, self.device))
+        if first and cfg.shard != "none" and (line := states_line(cfg, self.model, self.parts, self.world_size)):
+            self.log(line)  # every rank measured its share; rank 0 says it
+        if master and cfg.memory_snapshot and step + 1 == min(self.start_step + HISTORY_STEPS, cfg.max_iters):
+            path = Path(cfg.out_dir) / MEMORY_HISTORY
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_history(path)
+            self.log(f"wrote {path}: the allocator's history of the first steps; open it at "
+                     f"https://pytorch.org/memory_viz")
+        if master and ((step + 1) % cfg.log_interval == 0 or step + 1 == cfg.max_iters):
+            self.log(self.progress_line(step, loss))
+
+    def progress_line(self, step, loss):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - self.t_last
+        tok_s = self.tokens_since / dt  # all ranks together
+        per_device = tok_s / self.world_size  # MFU compares one device's work with one device's peak
+        mfu, hfu = (flops.utilization(per_device, f, self.peak) for f in (self.flops_per_token,
+                                                                           self.hw_flops_per_token))
+        pct = lambda u: "n/a" if u is None else f"{100 * u:.1f}%"  # noqa: E731
+        ms = 1000 * dt / (self.tokens_since // self.tokens_per_step)
+        scaler = self.parts.scaler
+        self.t_last, self.tokens_since = time.perf_counter(), 0
+        return (f"step {step + 1:5d} | loss {loss:.4f} | lr {self.parts.optimizer.adamw.param_groups[0]['lr']:.2e} | {ms:7.1f} ms/step"
+                f" | {tok_s / 1e3:7.1f}k tok/s | MFU {pct(mfu)} HFU {pct(hfu)} | mem {now(self.device)[0]}"
+                f" | scale {scaler.loss_scale:g} skipped {scaler.skipped_steps}")
+
+    @contextmanager
+    def evaluation(self, step):
+        """Around an evaluation: its time is not training time. Yields a list for the loss."""
+        t_eval, val = time.perf_counter(), []
+        yield val
+        if self.master:
+            self.log(f"step {step + 1:5d} | val loss {val[0]:.4f}")
+        self.t_last += time.perf_counter() - t_eval
 
 
 def check_fits(cfg, device):
