@@ -54,7 +54,7 @@ class NaiveRecompute(torch.autograd.Function):
         inputs = [next(tensors) if a is _TENSOR else a for a in ctx.args]
         outer_rng = rng_state(ctx.device)
         set_rng_state(ctx.rng, ctx.device)
-        with torch.enable_grad(), _recomputing(), ctx.around_rerun:
+        with torch.enable_grad(), ctx.around_rerun:
             outputs = ctx.fn(*inputs)
         set_rng_state(outer_rng, ctx.device)  # the caller's random stream must not notice the re-run
         pairs = [(o, g) for o, g in zip(outputs if isinstance(outputs, tuple) else (outputs,), grads)

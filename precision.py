@@ -1,23 +1,14 @@
-"""Mixed precision by hand: the recipe, FP32 master weights, the loss scaler.
+"""Mixed precision by hand: FP32 master weights, the loss scaler, and the recipe that decides it all.
 
-Chapter section 1 ("Mixed-precision training"). Read first: `recipe` (everything
-PRECISION decides, decided here once), then `MasterWeightOptimizer` (the BF16 workflow:
-16-bit model, FP32 master copy, AdamW on the master copy), then `LossScaler` (why FP16
-needs it and BF16 does not: `make underflow` measures it). FP8 is fp8.py.
+Chapter section 1. Read first: `MasterWeightOptimizer` (the BF16 workflow: forward and backward on
+16-bit parameters, AdamW on an FP32 master copy), then `LossScaler` (why FP16 needs it and BF16 does
+not: `make underflow` measures it), then `recipe` (everything PRECISION decides, decided once).
 
-The workflow for PRECISION=bf16 (and fp16), one optimizer step:
-  1. forward and backward run on 16-bit parameters, so activations and gradients are 16-bit;
-  2. the 16-bit gradients are cast up (and unscaled) into FP32 gradients of the master copy;
-  3. one reduction checks every gradient for inf/NaN and gives the norm for clipping;
-  4. AdamW steps the FP32 master copy (its m and v are FP32 too);
-  5. the master copy is rounded back down into the 16-bit parameters.
-Why the master copy: an update smaller than half a 16-bit ulp of the weight rounds
-to nothing when added in 16 bits; in FP32 it accumulates until it shows.
-
-PRECISION=fp16 is the same with FP16 parameters, the loss multiplied by the scaler's
-scale before backward and divided out in step 2, and a step with inf/NaN skipped.
-PRECISION=fp8 keeps BF16 parameters and the BF16 workflow; only the Linears' matmuls
-run in FP8: our FP8Linear (fp8.py) or Transformer Engine's (backends/fp8_te.py).
+One optimizer step: the 16-bit gradients are cast up (and unscaled) into FP32; one reduction gives
+the norm for clipping and the inf/NaN check; AdamW steps the FP32 master copy; the master copy is
+rounded back into the 16-bit parameters. Why the master copy: an update smaller than half a 16-bit
+ulp of the weight rounds to nothing when added in 16 bits; in FP32 it adds up until it shows.
+FP8 (fp8.py) keeps BF16 parameters and this workflow; only the Linears' matmuls run in FP8.
 """
 import functools
 import math
@@ -157,17 +148,12 @@ def recipe(cfg):
 # ---------------------------------------------------------------- loss scaling
 
 class LossScaler:
-    """Multiply the loss by `loss_scale` before backward so small FP16 gradients stay above
-    FP16's smallest normal (6.1e-5; below it they lose bits, below 6e-8 they are 0);
-    divide it out again in FP32 (MasterWeightOptimizer.step). `make underflow` measures it.
-
-    mode "dynamic": start at 2^16; on a step whose gradients hold inf/NaN, skip the step
-    and halve the scale; after `growth_interval` clean steps in a row, double it (the same
-    trajectory as torch.amp.GradScaler). `hysteresis` > 1 tolerates that many overflows
-    before backing off, as Megatron-LM does: they count up between two growths (a growth
-    restores the tolerance) and, once it is used up, every overflow backs off. Every
-    overflowing step is still skipped.
-    mode "static": a fixed scale. mode "none": scale 1.
+    """Multiply the loss by `loss_scale` before backward, so small FP16 gradients stay above FP16's
+    smallest normal (6.1e-5; below 6e-8 they are 0), and divide it out in FP32 (MasterWeightOptimizer.step).
+    "dynamic": start at 2^16; a step whose gradients hold inf/NaN is skipped and halves the scale;
+    `growth_interval` clean steps in a row double it (torch.amp.GradScaler's trajectory). `hysteresis`
+    > 1 (Megatron-LM's) tolerates that many overflows before backing off, restored by a growth.
+    "static": a fixed scale. "none": 1.
     """
 
     def __init__(self, mode="none", init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
