@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 import fp8
-from backends import fp8_te
+from backends import fp8_gemm, fp8_te
 from fp8 import Settings as FP8Settings
 from model import default_linear
 
@@ -121,7 +121,7 @@ class Recipe:
         """Raise ValueError where this recipe cannot run on `device` (FP8 needs its matmul)."""
         if self.fp8 is not None and self.fp8.backend == "te":
             fp8_te.check_available(device)
-        elif self.fp8 is not None and (why := fp8.fp8_matmul_error(device)):
+        elif self.fp8 is not None and (why := fp8_gemm.fp8_matmul_error(device)):
             raise ValueError(f"precision=fp8 with fp8_backend=native: {why}")
 
 

@@ -815,8 +815,8 @@ def test_native_fp8_on_gpu_matches_cpu():
 @pytest.mark.cuda
 @pytest.mark.parametrize("grad", ["bf16", "e5m2"])
 def test_native_fp8_recompute_on_gpu_gives_the_same_gradients(tmp_path, grad):
-    if fp8.fp8_matmul_error("cuda"):
-        pytest.skip(fp8.fp8_matmul_error("cuda"))
+    if fp8_gemm.fp8_matmul_error("cuda"):
+        pytest.skip(fp8_gemm.fp8_matmul_error("cuda"))
     (none,), model = cuda_run(tmp_path, f"--fp8_grad={grad}")
     (full,), _ = cuda_run(tmp_path, f"--fp8_grad={grad}", "--ckpt=full")
     linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, FP8Linear)}
