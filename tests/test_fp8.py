@@ -1,6 +1,6 @@
-"""fp8.py, backends/fp8_gemm.py and backends/fp8_te.py: quantization, the scales of both recipes step by step,
-the three GEMMs exactly where the math is exact, CUDA's _scaled_mm rules held on CPU, the CPU
-GEMM against torch._scaled_mm, the FP8 weight quantized once per optimizer step, recompute,
+"""fp8.py, backends/fp8_gemm.py, backends/fp8_refined.py and backends/fp8_te.py: quantization, the scales of
+both recipes step by step, the three GEMMs exactly where the math is exact, CUDA's _scaled_mm rules held on
+CPU, the CPU GEMM against torch._scaled_mm, the FP8 weight quantized once per optimizer step, recompute,
 training, and Transformer Engine's wiring (with a stand-in TE on CPU, the real one on a GPU).
 
 Tolerances that are not exact are about twice the error measured (seeds 0-5), so a recipe
@@ -19,7 +19,7 @@ import accumulate
 import checkpoint
 import data
 import fp8
-from backends import fp8_gemm, fp8_te
+from backends import fp8_gemm, fp8_refined, fp8_te
 import train
 from config import parse_args
 from conftest import ROOT, merged
@@ -58,9 +58,12 @@ def batches_of(cfg, seed=0):
     return data.Batches(data.load_tokens(""), cfg.block_size, cfg.batch_size, seed, torch.device("cpu"))
 
 
-def fp8_layer(recipe="current", grad="bf16", seed=0, bias=True):
+def fp8_layer(recipe="current", grad="bf16", seed=0, bias=True, cls=None):
+    """A (64 -> 96) layer of `cls`: by default fp8.py's, the trainer's where only it has what is tested (e5m2)."""
     torch.manual_seed(seed)
-    layer = FP8Linear(64, 96, bias=bias, recipe=recipe, grad=grad).to(torch.bfloat16)
+    cls = cls or (FP8Linear if grad == "bf16" else fp8_refined.FP8Linear)
+    kwargs = dict(grad=grad) if cls is fp8_refined.FP8Linear else {}
+    layer = cls(64, 96, bias=bias, recipe=recipe, **kwargs).to(torch.bfloat16)
     torch.nn.init.normal_(layer.weight, std=0.02)
     if bias:
         torch.nn.init.normal_(layer.bias, std=0.02)
@@ -257,11 +260,11 @@ def test_fp8_hybrid_wgrad_fallback_is_one_fp32_gemm_rounded_once(monkeypatch):
     gradient's K) HYBRID's weight gradient is the FP8 product accumulated in FP32 and rounded once to
     BF16: against the exact product (FP64) rounded once it misses no element whose rounding FP32 decides.
     Dequantizing both operands to BF16 first, then a BF16 matmul (the old fallback), rounds twice and does."""
-    calls, real = [], fp8.scaled_mm_any_shape
-    monkeypatch.setattr(fp8, "scaled_mm_any_shape",
+    calls, real = [], fp8_refined.scaled_mm_any_shape
+    monkeypatch.setattr(fp8_refined, "scaled_mm_any_shape",
                         lambda *args: calls.append(args) or real(*args))
     torch.manual_seed(0)
-    layer = FP8Linear(192, 192, bias=False, recipe="current", grad="e5m2").to(torch.bfloat16)
+    layer = fp8_refined.FP8Linear(192, 192, bias=False, recipe="current", grad="e5m2").to(torch.bfloat16)
     x = torch.randn(1, 24, 192, dtype=torch.bfloat16, requires_grad=True)
     layer(x).backward(torch.randn(1, 24, 192, dtype=torch.bfloat16))
     assert len(calls) == 1, "the weight gradient at 24 tokens did not take the fallback"
@@ -323,7 +326,7 @@ def test_fp8_delayed_input_scale_is_the_history_of_the_previous_steps():
 def test_fp8_delayed_e5m2_gradient_scale_is_the_history_of_the_previous_steps():
     H, jumps = 3, [1, 1, 16, 1, 1, 1, 1]
     torch.manual_seed(0)
-    layer = FP8Linear(64, 32, recipe="delayed", amax_history=H, grad="e5m2").to(torch.bfloat16)
+    layer = fp8_refined.FP8Linear(64, 32, recipe="delayed", amax_history=H, grad="e5m2").to(torch.bfloat16)
     x = torch.randn(16, 64, dtype=torch.bfloat16)
     g = torch.rand(16, 32, dtype=torch.bfloat16) * 0.5
     g[0, 0] = 1.0
@@ -344,7 +347,8 @@ def test_fp8_delayed_e5m2_gradient_scale_is_the_history_of_the_previous_steps():
 # ---------------------------------------------------------------- the GEMM: CUDA's rules, the CPU stand-in
 
 def spy_gemm(monkeypatch):
-    """Record the arguments of every FP8 GEMM fp8.py makes (the spy itself checks nothing)."""
+    """Record the arguments of every FP8 GEMM fp8.py and backends/fp8_refined.py make (the spy itself
+    checks nothing)."""
     calls, real = [], fp8.scaled_mm
 
     def spy(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, fast_accum=False):
@@ -352,6 +356,7 @@ def spy_gemm(monkeypatch):
                           fast_accum=fast_accum))
         return real(a, b, scale_a, scale_b, bias, out_dtype, fast_accum)
     monkeypatch.setattr(fp8, "scaled_mm", spy)
+    monkeypatch.setattr(fp8_refined, "scaled_mm", spy)
     return calls
 
 
@@ -501,20 +506,20 @@ def test_fp8_weights_quantized_once_per_optimizer_step(tmp_path, monkeypatch, gr
 
 
 def test_fp8_kept_weight_is_quantized_again_when_the_weight_changes(monkeypatch):
-    layer, x = fp8_layer()
-    with fp8.weight_copies([layer], "refresh"):
+    layer, x = fp8_layer(cls=fp8_refined.FP8Linear)
+    with fp8_refined.weight_copies([layer], "refresh"):
         layer(x)
     kept = layer.weight_copy
     seen, _ = count_weight_quantizations(monkeypatch, torch.nn.Sequential(layer))
-    with fp8.weight_copies([layer], "reuse"):
+    with fp8_refined.weight_copies([layer], "reuse"):
         layer(x)
     assert seen == [] and layer.weight_copy is kept  # unchanged: the kept bytes
     with torch.no_grad():
         layer.weight.mul_(2)  # any in-place change bumps the weight's version
-    with fp8.weight_copies([layer], "reuse"):
+    with fp8_refined.weight_copies([layer], "reuse"):
         y = layer(x)
     assert len(seen) == 1 and layer.weight_copy is not kept
-    with fp8.weight_copies([layer], "fresh"):
+    with fp8_refined.weight_copies([layer], "fresh"):
         assert torch.equal(y, layer(x))
 
 
