@@ -50,7 +50,7 @@ def quantize(x, scale, dtype, saturate=True):
 
 
 class _FP8LinearFunction(torch.autograd.Function):
-    """y = x @ W^T + b with x and W in E4M3 (w_fp8: W quantized with w_scale); backward in BF16."""
+    """y = x @ W^T + b with x and W in E4M3 (w_fp8: W quantized with w_scale); backward in the parameters' BF16."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, x_scale, w_fp8, w_scale, saturate):
@@ -133,7 +133,7 @@ class FP8Linear(nn.Module):
         with torch.no_grad():
             amax = torch.stack([amax_of(x), amax_of(self.weight)])
             scales = self._scales(amax, [0, 1])
-            if self.training:  # evaluation records nothing; a recompute's re-run records the same amax: max
+            if self.training:  # evaluation records nothing; a recompute's re-run folds the same amax again: no change
                 self.step_amax[:2] = torch.maximum(self.step_amax[:2], amax)
             w_fp8 = quantize(self.weight.detach(), scales[1], E4M3, self.saturate)
         return _FP8LinearFunction.apply(x, self.weight, self.bias, scales[0], w_fp8, scales[1], self.saturate)
