@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 import fp8
-from backends import fp8_te
+from backends import fp8_gemm, fp8_refined, fp8_te
 from fp8 import Settings as FP8Settings
 from model import default_linear
 
@@ -65,13 +65,13 @@ class Recipe:
             return default_linear
         if self.fp8.backend == "te":
             return fp8_te.linear_factory(self.fp8)
-        return functools.partial(fp8.FP8Linear, recipe=self.fp8.scaling, amax_history=self.fp8.history,
+        return functools.partial(fp8_refined.FP8Linear, recipe=self.fp8.scaling, amax_history=self.fp8.history,
                                  margin=self.fp8.margin, grad=self.fp8.grad)
 
     def forward_context(self, model, micro_step=None):
         """Entered around every forward of `model`. micro_step: its index in accumulation_step's
         optimizer step (0 = the first), None outside one (evaluation, sampling). For FP8 it tells
-        each FP8 Linear of the model which FP8 weight to use (fp8.WEIGHT_MODES: quantized once
+        each FP8 Linear of the model which FP8 weight to use (fp8_refined.WEIGHT_MODES: quantized once
         per optimizer step, at micro-step 0) and opens Transformer Engine's FP8 autocast for
         fp8_backend=te. A context manager because, like torch.autocast, it holds for all the
         forward calls and ends with it."""
@@ -79,17 +79,17 @@ class Recipe:
             return nullcontext()
         mode = "fresh" if micro_step is None else "refresh" if micro_step == 0 else "reuse"
         te_autocast = fp8_te.autocast(self.fp8) if self.fp8.backend == "te" else nullcontext()
-        return _all_of(fp8.weight_copies(fp8.layers(model), mode), te_autocast)
+        return _all_of(fp8_refined.weight_copies(fp8.layers(model), mode), te_autocast)
 
     def recompute_contexts(self, modules):
         """(around a recompute unit's forward, around its re-run in backward) for the unit made of
         `modules`, asked at the unit's forward (checkpoint.apply_policy gets this method from
         train.build). The re-run uses the FP8 weight its forward used and records no amax
-        (fp8.Rerun); under TE it also re-enters TE's FP8 autocast with TE's recompute-phase
+        (fp8_refined.Rerun); under TE it also re-enters TE's FP8 autocast with TE's recompute-phase
         flags (fp8_te.recompute_contexts)."""
         if self.fp8 is None:
             return nullcontext(), nullcontext()
-        rerun = fp8.Rerun([m for module in modules for m in fp8.layers(module)])
+        rerun = fp8_refined.Rerun([m for module in modules for m in fp8.layers(module)])
         if self.fp8.backend != "te":
             return nullcontext(), rerun
         around_forward, around_rerun = fp8_te.recompute_contexts(self.fp8)
@@ -112,7 +112,7 @@ class Recipe:
         """Raise ValueError where this recipe cannot run on `device` (FP8 needs its matmul)."""
         if self.fp8 is not None and self.fp8.backend == "te":
             fp8_te.check_available(device)
-        elif self.fp8 is not None and (why := fp8.fp8_matmul_error(device)):
+        elif self.fp8 is not None and (why := fp8_gemm.fp8_matmul_error(device)):
             raise ValueError(f"precision=fp8 with fp8_backend=native: {why}")
 
 

@@ -1,7 +1,10 @@
-"""What fp8.py stands on, not read to learn the chapter. Read fp8.py first.
+"""What fp8.py stands on, and what the trainer builds on it: not read to learn the chapter. Read fp8.py first.
 
-  fp8_gemm.py  the FP8 matmul: torch._scaled_mm on a GPU, an exact stand-in on CPU, and
-               the rules CUDA holds every call to
-  fp8_te.py    NVIDIA Transformer Engine's Linear, FP8 autocast and recompute flags
-               (PRECISION=fp8 FP8_BACKEND=te), built from the same fp8.Settings
+  fp8_gemm.py     the FP8 matmul: torch._scaled_mm on a GPU, an exact stand-in on CPU, and
+                  the rules CUDA holds every call to
+  fp8_refined.py  the FP8Linear the trainer builds: fp8.py's, with the E4M3 weight quantized once
+                  per optimizer step (micro-steps 2..K and recompute re-runs reuse it) and
+                  HYBRID's E5M2 backward (fp8_grad=e5m2)
+  fp8_te.py       NVIDIA Transformer Engine's Linear, FP8 autocast and recompute flags
+                  (PRECISION=fp8 FP8_BACKEND=te), built from the same fp8.Settings
 """

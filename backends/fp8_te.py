@@ -13,7 +13,7 @@ for FP8_RECIPE=current (which has no margin: config.py refuses FP8_MARGIN with i
 TE does its backward in FP8 (HYBRID), so FP8_GRAD does not apply. Its FP8 state lives
 inside TE's modules (`_extra_state`, saved in a snapshot).
 
-Where TE's delayed scaling differs from fp8.py's (the rest of the list: FP8Linear.fold_amax):
+Where TE's delayed scaling differs from fp8.py's (the rest of the list: docs/fp8.md):
   - TE moves its amax history at the exit of every forward autocast (each micro-step) and
     after every backward (transformer_engine/pytorch/quantization.py,
     reduce_and_update_fp8_tensors), fp8.py once per optimizer step: with ACCUM=K the same
@@ -29,7 +29,7 @@ import functools
 import torch
 
 
-# fp8.WEIGHT_MODES as te.Linear's is_first_microbatch (module/linear.py, Linear.forward)
+# fp8_refined.WEIGHT_MODES as te.Linear's is_first_microbatch (module/linear.py, Linear.forward)
 IS_FIRST_MICROBATCH = {"fresh": None, "refresh": True, "reuse": False}
 
 
@@ -130,15 +130,15 @@ def _linear_class():
     te, _ = _te()
 
     class Linear(te.Linear):
-        """te.Linear told which micro-step it runs in (its weight_mode, fp8.WEIGHT_MODES, set as
-        on our FP8Linear by precision.Recipe.forward_context). With is_first_microbatch set,
+        """te.Linear told which micro-step it runs in (its weight_mode, fp8_refined.WEIGHT_MODES, set
+        as on our FP8Linear by precision.Recipe.forward_context). With is_first_microbatch set,
         TE quantizes the weight on micro-step 1 into a cached workspace (the E4M3 weight and, on
         Hopper, its transpose for the backward GEMM) and reuses it for the other micro-steps; with
         None it quantizes afresh in every forward (module/linear.py, Linear.forward: no cache
         name when is_first_microbatch is None; module/base.py, quantize_weight)."""
 
         weight_mode = "fresh"
-        recording = True  # TE's re-run records nothing by its own recompute flags: kept for fp8.Rerun
+        recording = True  # TE's re-run records nothing by its own recompute flags: kept for fp8_refined.Rerun
 
         def forward(self, inp):
             return super().forward(inp, is_first_microbatch=IS_FIRST_MICROBATCH[self.weight_mode])

@@ -1,9 +1,9 @@
 """Our FP8Linear (fp8.py) as one of the ledger's ops: what it allocates and keeps, forward and backward.
 
-Chapter sections 1 (FP8) and 4 (the ledger's peak). Read fp8.py first (FP8Linear's
-docstring, "What it stores"), then ledger/ops.py (the ops and how they record); this file is
-the FP8 Linear for the code of fp8.py and backends/fp8_gemm.py as it is. ops.Ops.linear calls
-it where a run is fp8.
+Chapter sections 1 (FP8) and 4 (the ledger's peak). Read fp8.py first, then docs/fp8.md ("What a
+layer stores"), then ledger/ops.py (the ops and how they record); this file is the FP8 Linear the
+trainer builds, for the code of fp8.py, backends/fp8_refined.py and backends/fp8_gemm.py as it is.
+ops.Ops.linear calls it where a run is fp8.
 
 What FP8 adds to a step (accumulate.accumulation_step):
   kept     micro-step 1's forward quantizes each weight once and keeps the E4M3 copy, with
@@ -115,7 +115,7 @@ def _backward(g, node, grads):
 
 
 def _e5m2_backward(g, op, M, n_in, n_out, region):
-    """_FP8LinearFunction.backward with grad="e5m2" (TE's HYBRID): the output gradient's scale
+    """fp8_refined._FP8LinearFunction.backward with grad="e5m2" (TE's HYBRID): the output gradient's scale
     (4 bytes) and E5M2 copy (through FP32); the kept copy's column-major twin, made at the
     layer's first backward and kept; dx = g8 @ W8; dW = g8^T @ x8 in FP8 (two column-major
     copies) when the token count M is a multiple of 16, else in FP32 values. Returns dx and

@@ -322,7 +322,7 @@ def allocator_bounds(sizes):
 
 
 def kept_copy_storages(fp8_layers):
-    """{storage key: bytes} of the FP8 weight copies the layers keep now (fp8.WeightCopy)."""
+    """{storage key: bytes} of the FP8 weight copies the layers keep now (fp8_refined.WeightCopy)."""
     copies = [m.weight_copy for m in fp8_layers if getattr(m, "weight_copy", None) is not None]
     return {storage_key(t): t.untyped_storage().nbytes() for c in copies
             for t in (c.data, c.column_major, c.scale, c.amax) if t is not None}
@@ -394,7 +394,7 @@ def measure(model, parts, batch, device):
     on every device (gradients: the distinct storages of the .grad tensors once backward is
     done, plus the FP32 buffers with fp32_grad_accum), so they can match the formulas to the
     byte; so are rng_states, host tensors found in the autograd graph after the forward, and
-    fp8_kept, the FP8Linears' kept weight copies (fp8.WeightCopy) just before the optimizer step.
+    fp8_kept, the FP8Linears' kept weight copies (fp8_refined.WeightCopy) just before the optimizer step.
     activations: the storages the forward saved for backward (SavedBytes), on every device;
     storages of parameters, buffers and the batch never count, nor the kept FP8 weight copies:
     a forward that makes one saves its scale too, and it is fp8_kept's (counted once).

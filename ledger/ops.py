@@ -37,7 +37,7 @@ class Sizes:
     drop: bool  # dropout > 0
     cuda: bool  # CUDA's dtypes and kernels (else CPU's)
     loss_scaled: bool  # the loss scaler multiplies the loss
-    fp8: str = None  # None | "native" (fp8.FP8Linear) | "te" (Transformer Engine's Linear, walked as ours)
+    fp8: str = None  # None | "native" (fp8_refined.FP8Linear) | "te" (Transformer Engine's Linear, walked as ours)
     fp8_e5m2: bool = False  # the FP8 backward quantizes the output gradient to E5M2 (fp8_grad=e5m2)
     fp8_history: int = 16  # amax history length of our FP8Linear's buffers
     rerun_stops_early: bool = True  # a recompute unit's re-run stops after its last saved tensor

@@ -188,7 +188,7 @@ class Graph:
         self.declared[kind].setdefault(self.prefix + name, dict(numel=numel, scope=self.scope, **info))
 
     def keep(self, name, **tensors):
-        """FP8 weight copies kept from this forward to the optimizer step (fp8.FP8Linear.weight_copy)."""
+        """FP8 weight copies kept from this forward to the optimizer step (fp8_refined.FP8Linear.weight_copy)."""
         copy = self.kept.setdefault(self.prefix + name, {})
         for key, t in tensors.items():
             t.storage.entry.kept = True

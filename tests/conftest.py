@@ -25,12 +25,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import fp8
+    from backends import fp8_gemm
     no_cuda = pytest.mark.skip(reason="no CUDA device on this machine (make gpu-check runs these on a GPU)")
     # the native FP8 matmul needs torch's float8 dtypes (on CPU it runs as a BF16 matmul,
     # backends/fp8_gemm.py): where they are missing, skip the tests that build FP8 models, which carry
     # "fp8" in their names
-    fp8_error = fp8.fp8_matmul_error("cpu")
+    fp8_error = fp8_gemm.fp8_matmul_error("cpu")
     no_fp8 = pytest.mark.skip(reason=f"native FP8 cannot run here: {fp8_error}")
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():

@@ -1,7 +1,8 @@
-"""fp8.py, backends/fp8_gemm.py and backends/fp8_te.py: quantization, the scales of both recipes step by step,
-the three GEMMs exactly where the math is exact, CUDA's _scaled_mm rules held on CPU, the CPU
-GEMM against torch._scaled_mm, the FP8 weight quantized once per optimizer step, recompute,
-training, and Transformer Engine's wiring (with a stand-in TE on CPU, the real one on a GPU).
+"""fp8.py, backends/fp8_gemm.py, backends/fp8_refined.py and backends/fp8_te.py: quantization, the scales of
+both recipes step by step, the three GEMMs exactly where the math is exact, CUDA's _scaled_mm rules held on
+CPU, the CPU GEMM against torch._scaled_mm, the FP8 weight quantized once per optimizer step (the refined
+layer computing the plain recipe's numbers), recompute, training, and Transformer Engine's wiring (with a
+stand-in TE on CPU, the real one on a GPU).
 
 Tolerances that are not exact are about twice the error measured (seeds 0-5), so a recipe
 that silently got worse fails them."""
@@ -19,7 +20,7 @@ import accumulate
 import checkpoint
 import data
 import fp8
-from backends import fp8_gemm, fp8_te
+from backends import fp8_gemm, fp8_refined, fp8_te
 import train
 from config import parse_args
 from conftest import ROOT, merged
@@ -59,9 +60,16 @@ def batches_of(cfg, seed=0):
     return data.Batches(data.load_tokens(""), cfg.block_size, cfg.batch_size, seed, torch.device("cpu"))
 
 
-def fp8_layer(recipe="current", grad="bf16", seed=0, bias=True):
+# fp8.py's FP8Linear (the chapter's recipe) and the one the trainer builds (backends/fp8_refined.py)
+LAYERS = pytest.mark.parametrize("cls", [FP8Linear, fp8_refined.FP8Linear], ids=["plain", "refined"])
+
+
+def fp8_layer(recipe="current", grad="bf16", seed=0, bias=True, cls=None):
+    """A (64 -> 96) layer of `cls`: by default fp8.py's, the trainer's where only it has what is tested (e5m2)."""
     torch.manual_seed(seed)
-    layer = FP8Linear(64, 96, bias=bias, recipe=recipe, grad=grad).to(torch.bfloat16)
+    cls = cls or (FP8Linear if grad == "bf16" else fp8_refined.FP8Linear)
+    kwargs = dict(grad=grad) if cls is fp8_refined.FP8Linear else {}
+    layer = cls(64, 96, bias=bias, recipe=recipe, **kwargs).to(torch.bfloat16)
     torch.nn.init.normal_(layer.weight, std=0.02)
     if bias:
         torch.nn.init.normal_(layer.bias, std=0.02)
@@ -126,9 +134,10 @@ def test_fp8_scale_rules_are_transformer_engines():
     assert fp8.scale_from_amax(torch.tensor(0.0), E4M3_MAX).item() == 1.0  # no previous: 1
 
 
-def test_fp8_fold_keeps_an_inf_amax_and_skips_a_zero_one_as_te():
+@LAYERS
+def test_fp8_fold_keeps_an_inf_amax_and_skips_a_zero_one_as_te(cls):
     torch.manual_seed(0)
-    layer = FP8Linear(16, 16, recipe="delayed", amax_history=3)
+    layer = cls(16, 16, recipe="delayed", amax_history=3)
     x = torch.ones(4, 16)
     layer(x)
     fp8.fold_amax([layer])
@@ -142,9 +151,32 @@ def test_fp8_fold_keeps_an_inf_amax_and_skips_a_zero_one_as_te():
     assert layer.amax_history[:, 0].tolist() == [2.0, float("inf"), 1.0]
 
 
+def test_fp8_fold_takes_the_max_amax_over_ranks(monkeypatch):
+    """Under DDP every rank must quantize with the same scales: fold_amax(across_ranks=True) replaces every
+    layer's step amax by its max over the ranks, in one all-reduce for all layers, before it folds."""
+    torch.manual_seed(0)
+    layers = [FP8Linear(16, 16, recipe="delayed"), FP8Linear(16, 32, recipe="delayed")]
+    for layer in layers:
+        layer(torch.ones(4, 16))
+    mine = [layer.step_amax.clone() for layer in layers]
+    theirs = torch.tensor([[8.0, 0.5, 0.0], [0.25, 4.0, 0.0]])  # the other rank's step amax, per layer
+    calls = []
+
+    def all_reduce(t, op):
+        calls.append((tuple(t.shape), op))
+        t.copy_(torch.maximum(t, theirs))
+    monkeypatch.setattr(fp8.dist, "all_reduce", all_reduce)
+    fp8.fold_amax(layers, across_ranks=True)
+    assert calls == [((2, 3), fp8.dist.ReduceOp.MAX)]
+    for layer, a, b in zip(layers, mine, theirs):
+        assert torch.equal(layer.amax_history[0], torch.maximum(a, b))
+        assert torch.equal(layer.scale[:2], E4M3_MAX / torch.maximum(a, b)[:2])
+
+
+@LAYERS
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_fp8_forward_matches_bf16_reference(recipe):
-    layer, x = fp8_layer(recipe)
+def test_fp8_forward_matches_bf16_reference(recipe, cls):
+    layer, x = fp8_layer(recipe, cls=cls)
     amax_x = x.detach().abs().amax().float()
     if recipe == "delayed":  # a history in which the input's amax was twice today's
         layer(2 * x.detach())
@@ -194,11 +226,12 @@ def test_fp8_bias_joins_the_sum_before_its_one_rounding():
     assert (y == after).float().mean() < 0.85  # measured 0.69-0.71
 
 
-def test_fp8_fp32_output_adds_the_bias_after_the_gemm(monkeypatch):
+@LAYERS
+def test_fp8_fp32_output_adds_the_bias_after_the_gemm(monkeypatch, cls):
     # CUDA refuses a bias with an FP32 output: an FP32 FP8Linear adds it after, in FP32
     calls = spy_gemm(monkeypatch)
     torch.manual_seed(0)
-    layer = FP8Linear(64, 96, bias=True, recipe="current")
+    layer = cls(64, 96, bias=True, recipe="current")
     x = torch.randn(32, 64)
     y = layer(x)
     assert calls and all(c["bias"] is None for c in calls)
@@ -207,9 +240,10 @@ def test_fp8_fp32_output_adds_the_bias_after_the_gemm(monkeypatch):
     assert torch.allclose(y.double(), exact, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("grad", ["bf16", "e5m2"])
-def test_fp8_linear_backward_close_to_bf16(grad):
-    layer, x = fp8_layer(grad=grad)
+@pytest.mark.parametrize("grad,cls", [("bf16", FP8Linear), ("bf16", fp8_refined.FP8Linear),
+                                      ("e5m2", fp8_refined.FP8Linear)], ids=["bf16-plain", "bf16-refined", "e5m2"])
+def test_fp8_linear_backward_close_to_bf16(grad, cls):
+    layer, x = fp8_layer(grad=grad, cls=cls)
     ref_layer = torch.nn.Linear(64, 96).to(torch.bfloat16)
     ref_layer.load_state_dict({"weight": layer.weight.detach(), "bias": layer.bias.detach()})
     x_ref = x.detach().clone().requires_grad_(True)
@@ -226,10 +260,11 @@ def test_fp8_linear_backward_close_to_bf16(grad):
         assert layer.step_amax[2] == g.abs().amax().float()  # backward recorded the gradient's amax
 
 
-def test_fp8_bf16_backward_is_bf16_math_exactly():
+@LAYERS
+def test_fp8_bf16_backward_is_bf16_math_exactly(cls):
     # grad="bf16": the input gradient is BF16 math on the BF16 weight (not its FP8 copy), the
     # weight gradient BF16 math on the input dequantized from the saved FP8 bytes, bit for bit
-    layer, x = fp8_layer()
+    layer, x = fp8_layer(cls=cls)
     y = layer(x)
     x_fp8, x_scale, _ = used_scales(y)
     torch.manual_seed(100)
@@ -258,11 +293,11 @@ def test_fp8_hybrid_wgrad_fallback_is_one_fp32_gemm_rounded_once(monkeypatch):
     gradient's K) HYBRID's weight gradient is the FP8 product accumulated in FP32 and rounded once to
     BF16: against the exact product (FP64) rounded once it misses no element whose rounding FP32 decides.
     Dequantizing both operands to BF16 first, then a BF16 matmul (the old fallback), rounds twice and does."""
-    calls, real = [], fp8.scaled_mm_any_shape
-    monkeypatch.setattr(fp8, "scaled_mm_any_shape",
+    calls, real = [], fp8_refined.scaled_mm_any_shape
+    monkeypatch.setattr(fp8_refined, "scaled_mm_any_shape",
                         lambda *args: calls.append(args) or real(*args))
     torch.manual_seed(0)
-    layer = FP8Linear(192, 192, bias=False, recipe="current", grad="e5m2").to(torch.bfloat16)
+    layer = fp8_refined.FP8Linear(192, 192, bias=False, recipe="current", grad="e5m2").to(torch.bfloat16)
     x = torch.randn(1, 24, 192, dtype=torch.bfloat16, requires_grad=True)
     layer(x).backward(torch.randn(1, 24, 192, dtype=torch.bfloat16))
     assert len(calls) == 1, "the weight gradient at 24 tokens did not take the fallback"
@@ -278,8 +313,9 @@ def test_fp8_hybrid_wgrad_fallback_is_one_fp32_gemm_rounded_once(monkeypatch):
     assert decided_mismatches(twice, g8t, x8, scale)[1] > 0  # the check tells the two apart
 
 
-def test_fp8_saves_one_byte_input_for_backward():
-    layer, x = fp8_layer()
+@LAYERS
+def test_fp8_saves_one_byte_input_for_backward(cls):
+    layer, x = fp8_layer(cls=cls)
     y = layer(x)
     saved = y.grad_fn.saved_tensors
     x_saved = [t for t in saved if t.shape == (32, 64)]
@@ -299,12 +335,13 @@ def test_fp8_rejects_dims_not_multiple_of_16(tmp_path, capsys):
 
 # ---------------------------------------------------------------- the delayed recipe, step by step
 
-def test_fp8_delayed_input_scale_is_the_history_of_the_previous_steps():
+@LAYERS
+def test_fp8_delayed_input_scale_is_the_history_of_the_previous_steps(cls):
     # the input's amax jumps 8x at step 2: the scale used at step n is, exactly,
     # fp8_max / max(amax of steps n-H..n-1), never this step's own (current scaling: 448/8)
     H, jumps = 3, [1, 1, 8, 1, 1, 1, 1]
     torch.manual_seed(0)
-    layer = FP8Linear(64, 32, recipe="delayed", amax_history=H).to(torch.bfloat16)
+    layer = cls(64, 32, recipe="delayed", amax_history=H).to(torch.bfloat16)
     base = torch.rand(16, 64, dtype=torch.bfloat16) * 0.5
     base[0, 0] = 1.0  # amax of base * k is exactly k
     used, saved = [], []
@@ -324,7 +361,7 @@ def test_fp8_delayed_input_scale_is_the_history_of_the_previous_steps():
 def test_fp8_delayed_e5m2_gradient_scale_is_the_history_of_the_previous_steps():
     H, jumps = 3, [1, 1, 16, 1, 1, 1, 1]
     torch.manual_seed(0)
-    layer = FP8Linear(64, 32, recipe="delayed", amax_history=H, grad="e5m2").to(torch.bfloat16)
+    layer = fp8_refined.FP8Linear(64, 32, recipe="delayed", amax_history=H, grad="e5m2").to(torch.bfloat16)
     x = torch.randn(16, 64, dtype=torch.bfloat16)
     g = torch.rand(16, 32, dtype=torch.bfloat16) * 0.5
     g[0, 0] = 1.0
@@ -345,7 +382,8 @@ def test_fp8_delayed_e5m2_gradient_scale_is_the_history_of_the_previous_steps():
 # ---------------------------------------------------------------- the GEMM: CUDA's rules, the CPU stand-in
 
 def spy_gemm(monkeypatch):
-    """Record the arguments of every FP8 GEMM fp8.py makes (the spy itself checks nothing)."""
+    """Record the arguments of every FP8 GEMM fp8.py and backends/fp8_refined.py make (the spy itself
+    checks nothing)."""
     calls, real = [], fp8.scaled_mm
 
     def spy(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, fast_accum=False):
@@ -353,6 +391,7 @@ def spy_gemm(monkeypatch):
                           fast_accum=fast_accum))
         return real(a, b, scale_a, scale_b, bias, out_dtype, fast_accum)
     monkeypatch.setattr(fp8, "scaled_mm", spy)
+    monkeypatch.setattr(fp8_refined, "scaled_mm", spy)
     return calls
 
 
@@ -502,21 +541,57 @@ def test_fp8_weights_quantized_once_per_optimizer_step(tmp_path, monkeypatch, gr
 
 
 def test_fp8_kept_weight_is_quantized_again_when_the_weight_changes(monkeypatch):
-    layer, x = fp8_layer()
-    with fp8.weight_copies([layer], "refresh"):
+    layer, x = fp8_layer(cls=fp8_refined.FP8Linear)
+    with fp8_refined.weight_copies([layer], "refresh"):
         layer(x)
     kept = layer.weight_copy
     seen, _ = count_weight_quantizations(monkeypatch, torch.nn.Sequential(layer))
-    with fp8.weight_copies([layer], "reuse"):
+    with fp8_refined.weight_copies([layer], "reuse"):
         layer(x)
     assert seen == [] and layer.weight_copy is kept  # unchanged: the kept bytes
     with torch.no_grad():
         layer.weight.mul_(2)  # any in-place change bumps the weight's version
-    with fp8.weight_copies([layer], "reuse"):
+    with fp8_refined.weight_copies([layer], "reuse"):
         y = layer(x)
     assert len(seen) == 1 and layer.weight_copy is not kept
-    with fp8.weight_copies([layer], "fresh"):
+    with fp8_refined.weight_copies([layer], "fresh"):
         assert torch.equal(y, layer(x))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_fp8_refined_layer_computes_the_plain_recipe_bit_for_bit(recipe):
+    """backends/fp8_refined.py changes when W is quantized, not what is computed: with its weight kept from
+    micro-step 1 and reused by the others, the trainer's FP8Linear (grad="bf16") gives fp8.FP8Linear's
+    outputs, saved tensors, gradients, amax histories and scales, bit for bit, step after step."""
+    plain, _ = fp8_layer(recipe, cls=FP8Linear)
+    refined, _ = fp8_layer(recipe, cls=fp8_refined.FP8Linear)
+    torch.manual_seed(1)
+    for step in range(4):
+        for micro in range(3):
+            x = torch.randn(4, 8, 64, dtype=torch.bfloat16) * (1 + 3 * ((step + micro) % 2))  # amax moves
+            g = torch.randn(4, 8, 96, dtype=torch.bfloat16)
+            x_plain, x_refined = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+            y_plain = plain(x_plain)
+            with fp8_refined.weight_copies([refined], "refresh" if micro == 0 else "reuse"):
+                y_refined = refined(x_refined)
+            assert torch.equal(y_plain, y_refined), (step, micro)
+            assert all(torch.equal(a, b) for a, b in zip(used_scales(y_plain), used_scales(y_refined)))
+            y_plain.backward(g)
+            y_refined.backward(g)
+            assert torch.equal(x_plain.grad, x_refined.grad)
+        assert refined.weight_copy is not None and plain.weight_copy is None  # only the refined layer keeps W
+        for name in ("weight", "bias"):
+            assert torch.equal(getattr(plain, name).grad, getattr(refined, name).grad), (step, name)
+        fp8.release_weight_copies([plain, refined])
+        fp8.fold_amax([plain, refined])
+        for name in ("amax_history", "scale", "step_amax"):
+            assert torch.equal(getattr(plain, name), getattr(refined, name)), (step, name)
+        with torch.no_grad():  # the same update on both: the next step's weights (and W's amax) move
+            for layer in (plain, refined):
+                for p in layer.parameters():
+                    p.sub_(0.5 * p.grad)
+                    p.grad = None
+    assert (plain.amax_history[:, :2] > 0).all(1).sum() == min(4, plain.amax_history.shape[0])
 
 
 # ---------------------------------------------------------------- a model: gradients, training, recompute, snapshots
@@ -802,8 +877,9 @@ def assert_same_gradients(a, b, linears):
 
 
 @pytest.mark.cuda
-def test_native_fp8_on_gpu_matches_cpu():
-    layer, x = fp8_layer()
+@LAYERS
+def test_native_fp8_on_gpu_matches_cpu(cls):
+    layer, x = fp8_layer(cls=cls)
     y_cpu = layer(x)
     g = torch.randn_like(y_cpu)
     y_cpu.backward(g)
@@ -817,8 +893,8 @@ def test_native_fp8_on_gpu_matches_cpu():
 @pytest.mark.cuda
 @pytest.mark.parametrize("grad", ["bf16", "e5m2"])
 def test_native_fp8_recompute_on_gpu_gives_the_same_gradients(tmp_path, grad):
-    if fp8.fp8_matmul_error("cuda"):
-        pytest.skip(fp8.fp8_matmul_error("cuda"))
+    if fp8_gemm.fp8_matmul_error("cuda"):
+        pytest.skip(fp8_gemm.fp8_matmul_error("cuda"))
     (none,), model = cuda_run(tmp_path, f"--fp8_grad={grad}")
     (full,), _ = cuda_run(tmp_path, f"--fp8_grad={grad}", "--ckpt=full")
     linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, FP8Linear)}

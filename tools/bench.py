@@ -36,8 +36,7 @@ import torch  # noqa: E402
 import accumulate  # noqa: E402
 import checkpoint  # noqa: E402
 import flops  # noqa: E402
-import fp8  # noqa: E402
-from backends import fp8_te  # noqa: E402
+from backends import fp8_gemm, fp8_te  # noqa: E402
 import memory_ledger  # noqa: E402
 from ledger import measure  # noqa: E402
 import precision  # noqa: E402
@@ -401,7 +400,7 @@ def run_sections(argv):
     ignored = given(argv) & {"resume", "sample_only", "memory_snapshot"}
     if ignored:
         raise UsageError(f"--{', --'.join(sorted(ignored))}: the benchmark times fresh runs, nothing else applies")
-    fp8_error = fp8.fp8_matmul_error(device)
+    fp8_error = fp8_gemm.fp8_matmul_error(device)
     if not fp8_error and cfg.n_embd % 16:
         fp8_error = f"n_embd={cfg.n_embd} is not a multiple of 16 (an FP8 GEMM rule)"
     te_error = fp8_error or te_unavailable(device)

@@ -16,6 +16,7 @@ import accumulate
 import fp8
 import precision
 import train
+from backends import fp8_gemm
 from config import Config, validate
 from data import Batches, load_tokens, split_tokens
 from model import GPT
@@ -126,7 +127,7 @@ CURVES = [("FP32", dict(precision="fp32")), ("BF16 + master weights", dict(preci
 def loss_curves(device, steps, out):
     runs = {}
     for name, over in CURVES:
-        if over["precision"] == "fp8" and fp8.fp8_matmul_error(device):
+        if over["precision"] == "fp8" and fp8_gemm.fp8_matmul_error(device):
             continue
         history = train.train(tiny(device, max_iters=steps, out_dir=str(out / "runs" / over["precision"]), **over),
                               log=lambda line: None)

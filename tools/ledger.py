@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 
 import accumulate  # noqa: E402
 import fp8  # noqa: E402
+from backends import fp8_gemm  # noqa: E402
 import memory_ledger as ml  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
@@ -248,7 +249,7 @@ def technique_rows(cfg, device, opts, measure_runs=True):
     rows = [row("FP32 baseline", replace(cfg, precision="fp32", ckpt="none", fp32_grad_accum=False)),
             row("BF16 mixed precision", replace(cfg, precision="bf16", ckpt="none"))]
     if cfg.n_embd % 16 == 0 and fp8.E4M3 is not None:
-        runs_here = fp8.fp8_matmul_error(device) is None  # e.g. False on a pre-sm89 GPU
+        runs_here = fp8_gemm.fp8_matmul_error(device) is None  # e.g. False on a pre-sm89 GPU
         rows.append(row("FP8 (native)", replace(cfg, precision="fp8", ckpt="none", fp8_backend="native"),
                         runnable=runs_here))
         rows.append(row("FP8 (Transformer Engine)", replace(cfg, precision="fp8", ckpt="none", fp8_backend="te"),
