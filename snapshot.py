@@ -177,7 +177,7 @@ def restore(snap, model, parts, batches, rank, world_size, device, scaler=True):
     if [tuple(m.shape) for m in masters] != [tuple(m.shape) for m in expected]:
         raise UsageError(f"--resume: the snapshot holds {len(masters)} master weights, this run has "
                          f"{len(expected)} (or their shapes differ)")
-    check_adamw_fits(snap["optimizer"]["adamw"], whole_groups(opt.model_params))  # zero.py's hold a slice
+    check_adamw_fits(snap["optimizer"]["adamw"], whole_groups(opt))  # zero.py's hold a slice, load the whole
     if len(snap["rng"]) != world_size:
         raise UsageError(f"--resume: the snapshot was written by {len(snap['rng'])} ranks, this run has "
                          f"{world_size}: each rank's data stream is in it")

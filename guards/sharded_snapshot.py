@@ -30,10 +30,13 @@ def adamw_order(params):
     return [i for i, d in enumerate(decays) if d] + [i for i, d in enumerate(decays) if not d]
 
 
-def whole_groups(params):
-    """The AdamW groups (weight decay, none) a whole-model optimizer over the model's `params` has: what a
-    snapshot's optimizer state must fit (snapshot_fields.check_adamw_fits), whatever this run shards."""
-    order = adamw_order(params)
+def whole_groups(opt):
+    """The AdamW groups (weight decay, none) of a whole-model optimizer: what a snapshot's optimizer state
+    must fit (snapshot_fields.check_adamw_fits), whatever this run shards. DDP's and FSDP's optimizer
+    have them (FSDP's shards have the whole shapes); ZeRO's AdamW holds pieces: rebuilt over the model."""
+    if isinstance(opt, precision.MasterWeightOptimizer):
+        return opt.adamw.param_groups
+    order, params = adamw_order(opt.model_params), opt.model_params
     n_decay = sum(precision.MasterWeightOptimizer.decays(params))
     return [dict(params=[params[i] for i in order[:n_decay]]), dict(params=[params[i] for i in order[n_decay:]])]
 
@@ -87,7 +90,7 @@ def gather_slice(opt):
         adamw["state"] = {k: dict(step=steps[0].clone(), **{name: moments[name][i] for name in MOMENTS})
                           for k, i in enumerate(order)}
     first = 0
-    for group, whole in zip(opt.adamw.param_groups, whole_groups(opt.model_params)):
+    for group, whole in zip(opt.adamw.param_groups, whole_groups(opt)):
         n = len(whole["params"])
         adamw["param_groups"].append(dict(_hyperparameters(group), params=list(range(first, first + n))))
         first += n
