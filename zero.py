@@ -78,11 +78,11 @@ def norm_over_ranks(local_grads):
 class SliceOptimizer(precision.MasterWeightOptimizer):
     """MasterWeightOptimizer on one rank's slice, one flat piece per parameter it overlaps."""
 
-    def __init__(self, pieces, piece_decays, *args, **kwargs):
+    def __init__(self, views, piece_decays, *args, **kwargs):
         self.piece_decays = piece_decays
-        super().__init__(pieces, *args, **kwargs)
+        super().__init__(views, *args, **kwargs)
 
-    def decays(self, pieces):
+    def decays(self, views):
         return self.piece_decays  # a flat piece has lost its shape: it decays as its parameter does
 
     def global_norm(self, grads):

@@ -36,8 +36,8 @@ def whole_groups(opt):
     have them (FSDP's shards have the whole shapes); ZeRO's AdamW holds pieces: rebuilt over the model."""
     if isinstance(opt, precision.MasterWeightOptimizer):
         return opt.adamw.param_groups
-    order, params = adamw_order(opt.model_params), opt.model_params
-    n_decay = sum(precision.MasterWeightOptimizer.decays(params))
+    params = opt.model_params
+    order, n_decay = adamw_order(params), sum(precision.MasterWeightOptimizer.decays(params))
     return [dict(params=[params[i] for i in order[:n_decay]]), dict(params=[params[i] for i in order[n_decay:]])]
 
 
@@ -104,7 +104,7 @@ def cut_slice(opt, state):
             m.copy_(_of_param(state["master_params"][piece.index], piece))
     saved = state["adamw"]
     key = {i: k for k, i in enumerate(adamw_order(opt.model_params))}  # parameter index -> saved state key
-    piece_of = dict(zip(opt.master_params, opt.pieces))
+    piece_of = dict(zip(opt.master_params, opt.pieces))  # my AdamW's tensors -> the pieces they step
     cut = {}
     for k, m in enumerate(_adamw_ids(opt.adamw)):
         piece = piece_of[m]
