@@ -207,59 +207,45 @@ NORM_CHUNK = 1 << 20  # elements: the FP64 copy a norm makes of its input stays 
 
 
 def squared_sum(grads):
-    """The sum of the squares of every element of `grads`, in FP64. Why FP64: an FP32 square
-    is exact there, and the sum's rounding (1e-16) stays far below FP32's last bit, so a
-    whole gradient (DDP) and its slices over N ranks (zero.py) give the same FP32 norm, and
-    clipping by it the same weights, bit for bit (summed in FP32 they differ in the last bit,
-    and Adam's steps carry that on). Chunked, so the FP64 copy of the input stays small."""
-    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # a DTensor: this rank's shard (fsdp.py)
+    """The sum of the squares of every element of `grads`, in FP64, chunk by chunk (NORM_CHUNK)."""
+    # fp64: a whole gradient (ddp) and its slices (zero.py) give the same fp32 norm, bit for bit
     chunks = [c for g in grads for c in g.reshape(-1).split(NORM_CHUNK)]
     return torch.stack(torch._foreach_norm(chunks, 2, dtype=torch.float64)).square().sum()
 
 
 class MasterWeightOptimizer:
-    """AdamW on an FP32 master copy of 16-bit model parameters.
+    """AdamW on an FP32 master copy of 16-bit model parameters. master_weights=False (fp32): the
+    master copy *is* the model's parameters (nothing to copy), so every precision runs the same
+    step. zero.py and fsdp.py override `decays` and `global_norm`."""
 
-    master_weights=False (fp32): the master copy *is* the model's parameters (nothing to
-    copy), so every precision runs the same step. `step(grads, loss_scale)` takes the
-    gradients the step should use (the parameters' .grad, or accumulate.py's FP32 sums)
-    and the loss scale to divide out.
-    """
-
-    def __init__(self, params, master_weights, lr, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, decay=None):
-        self.grad_clip = grad_clip
+    def __init__(self, params, master_weights, lr, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0):
+        self.grad_clip, self.master_weights = grad_clip, master_weights
         self.model_params = [p for p in params if p.requires_grad]
-        self.master_weights = master_weights
-        if master_weights:
-            self.master_params = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
-        else:
-            self.master_params = self.model_params
-        # weight decay on matrices only (embeddings and Linear weights), as nanoGPT does; `decay`
-        # says it per parameter where the shape cannot (zero.py steps flat slices of them)
-        decay = [p.dim() >= 2 for p in self.model_params] if decay is None else decay
-        no_decay = [m for m, d in zip(self.master_params, decay) if not d]
-        decay = [m for m, d in zip(self.master_params, decay) if d]
-        self.adamw = torch.optim.AdamW([dict(params=decay, weight_decay=weight_decay),
-                                        dict(params=no_decay, weight_decay=0.0)], lr=lr, betas=betas, foreach=True)
+        self.master_params = [p.detach().float().clone().requires_grad_(True) for p in self.model_params] \
+            if master_weights else self.model_params
+        decays = self.decays(self.model_params)
+        groups = [dict(params=[m for m, d in zip(self.master_params, decays) if d], weight_decay=weight_decay),
+                  dict(params=[m for m, d in zip(self.master_params, decays) if not d], weight_decay=0.0)]
+        self.adamw = torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)
+
+    @staticmethod
+    def decays(params):
+        """Which parameters get weight decay: the matrices (embeddings, Linear weights), as nanoGPT's."""
+        return [p.dim() >= 2 for p in params]
 
     def set_lr(self, lr):
         for g in self.adamw.param_groups:
             g["lr"] = lr
 
     def step(self, grads=None, loss_scale=1.0):
-        """Unscale, check for inf/NaN, clip, step AdamW on the master copy, copy down.
-        grads: one per model parameter (None in it = no gradient), or None: the parameters'
-        .grad. Returns (stepped, grad_norm); stepped is False when the step was skipped (an
-        inf/NaN gradient)."""
-        if grads is None:
-            grads = [p.grad for p in self.model_params]
-        # gradients in the dtype of the weights AdamW updates: a 16-bit gradient is cast up to the
-        # FP32 master's (a copy); an FP32 one, or one without a master copy, is used as is
+        """Unscale, check for inf/NaN, clip, step AdamW on the master copy, copy down. grads: one per model
+        parameter (None in it: no gradient) or None (their .grad). Returns (stepped: False if inf/NaN, grad_norm)."""
+        grads = [p.grad for p in self.model_params] if grads is None else grads
+        # a 16-bit gradient is cast up to its fp32 master's dtype (a copy); an fp32 one is used as is
         grads = [g.to(m.dtype) if g is not None else torch.zeros_like(m) for g, m in zip(grads, self.master_params)]
         if loss_scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-        # one reduction gives both the clipping norm and the overflow check: the norm of
-        # all gradients is inf/NaN exactly when some element is (one host sync per step)
+        # one reduction, one host sync: the norm is inf/NaN exactly when some element is
         grad_norm = self.global_norm(grads).item()
         if not math.isfinite(grad_norm):
             return False, grad_norm
@@ -268,19 +254,14 @@ class MasterWeightOptimizer:
         for m, g in zip(self.master_params, grads):
             m.grad = g
         self.adamw.step()
-        if self.master_params is not self.model_params:  # fsdp.py's shards are their own masters
+        if self.master_params is not self.model_params:
             with torch.no_grad():
-                # into the parameters themselves, not .data: the copy bumps their version counter,
-                # which tells fp8.py that an FP8 copy of a weight is stale
+                # not .data: the copy bumps the version counter, which tells fp8.py an fp8 copy is stale
                 torch._foreach_copy_(self.model_params, self.master_params)
         return True, grad_norm
 
-    def whole_groups(self):
-        """AdamW's groups over the whole model: what a snapshot's optimizer state must fit."""
-        return self.adamw.param_groups
-
     def global_norm(self, grads):
-        """The norm of every gradient of the step, FP32 (zero.py's slices sum squares over the ranks)."""
+        """The norm of every gradient of the step, FP32."""
         return squared_sum(grads).sqrt().float()
 
     def zero_grad(self):

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from config import RunError, UsageError
+from guards.sharded_snapshot import whole_groups
 from guards.snapshot_fields import check_adamw_fits, validate
 
 FILE = "snapshot.pt"
@@ -162,7 +163,7 @@ def capture(cfg, model, parts, batches, step, device, world_size=1):
     if world_size > 1:
         mine, rngs = rngs[0], [None] * world_size
         dist.all_gather_object(rngs, mine)
-    # a ZeRO optimizer's state is gathered on rank 0 (a collective: every rank calls capture)
+    # a ZeRO/FSDP optimizer's state is gathered into DDP's format (a collective: every rank calls capture)
     return dict(model=model.state_dict(), optimizer=parts.optimizer.state_dict(), scaler=parts.scaler.state_dict(),
                 rng=rngs, step=step, config=dataclasses.asdict(cfg))
 
@@ -177,7 +178,7 @@ def restore(snap, model, parts, batches, rank, world_size, device, scaler=True):
     if [tuple(m.shape) for m in masters] != [tuple(m.shape) for m in expected]:
         raise UsageError(f"--resume: the snapshot holds {len(masters)} master weights, this run has "
                          f"{len(expected)} (or their shapes differ)")
-    check_adamw_fits(snap["optimizer"]["adamw"], opt.whole_groups())  # zero.py's hold a slice, load the whole
+    check_adamw_fits(snap["optimizer"]["adamw"], whole_groups(opt))  # zero.py's hold a slice, load the whole
     if len(snap["rng"]) != world_size:
         raise UsageError(f"--resume: the snapshot was written by {len(snap['rng'])} ranks, this run has "
                          f"{world_size}: each rank's data stream is in it")

@@ -1,63 +1,55 @@
 """ZeRO-1 and ZeRO-2 by hand: the FP32 master copy and AdamW's states split over the ranks.
 
-Chapter section 4 ("ZeRO/FSDP split states"). Read first: `Shards` (every parameter end to
-end in one flat buffer, cut in N equal slices), then `ShardedOptimizer.step`, then the
-snapshot half at the end. FSDP, PyTorch's own ZeRO-3, is fsdp.py.
-
-DDP keeps all of the 16 bytes per parameter on every rank (memory_ledger.bytes_per_param).
-12 of them, the FP32 master copy and AdamW's m and v, are only ever read by the optimizer
-step, and each element's update needs only that element's gradient: so rank r can keep them
-for its slice of the parameters only, step that slice, and send the result to the others.
-
-  ZeRO-1  each rank keeps master, m and v of its 1/N slice (the states / N);
-  ZeRO-2  and, from the reduce-scatter on, only its slice of the gradient: the full 16-bit
-          .grad is released before the optimizer step.
-
-One optimizer step, after the K micro-steps (which send nothing: there is no DDP wrapper,
-so nothing to switch off; the micro-steps' gradients add up in .grad as in one process):
+Chapter section 4 ("ZeRO/FSDP split states"). Read first: `Shards` (every parameter end to end
+in one flat buffer, cut in N equal slices), then `ShardedOptimizer.step`. FSDP (ZeRO-3) is fsdp.py.
+  ZeRO-1  each rank keeps the FP32 master, m and v of its 1/N slice only (12 of DDP's 16 bytes / N);
+  ZeRO-2  and, from the reduce-scatter on, only its slice of the gradient.
+One optimizer step, after the K micro-steps (which send nothing: there is no DDP wrapper):
   1. one reduce-scatter sums the gradients over the ranks, each rank receiving its slice;
-  2. the slice is unscaled and checked, and clipped by the norm of *all* slices (squared slice
-     norms summed over the ranks), so every rank skips or clips alike;
-  3. precision.MasterWeightOptimizer steps the slice: AdamW on its FP32 master slice, the
-     result rounded into the rank's slice of the 16-bit flat buffer;
+  2. the norm of *all* slices (squares summed over the ranks) decides skip and clip on every rank;
+  3. precision.MasterWeightOptimizer steps the slice: AdamW on its FP32 master, copied down;
   4. one all-gather fills every rank's flat buffer (the parameters are views of it).
-A reduce-scatter and an all-gather move what DDP's all-reduce moves (2 x the gradient bytes
-for a ring, ZeRO paper sec. 7.2.1). Gradients are divided by N before they are summed, as
-DDP does, so with two ranks the sum is DDP's to the bit (x/2 is exact, a + b = b + a).
-
-What this does not do, and real ZeRO-2 does: reduce-scatter gradient buckets while backward
-still runs. Here the reduce-scatter waits for the last backward to end, so the full 16-bit
-gradient is alive at the end of backward on every rank, as in DDP; what ZeRO-2 saves is the
-optimizer step's: the FP32 gradient the master slice reads is 1/N of it (memory_ledger.py).
+Why it equals DDP bit for bit, what it sends, and what real ZeRO-2 does that this does not: docs/zero.md.
 """
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
 import precision
+from guards import sharded_snapshot
 
 STAGES = {"zero1": 1, "zero2": 2}  # the SHARD values this file implements (fsdp: fsdp.py)
 
 
+class Piece(NamedTuple):
+    """The part of one parameter that lies in my slice."""
+    index: int  # which parameter, in the model's order
+    start_in_param: int
+    start_in_slice: int
+    length: int
+
+    def of_slice(self, flat_slice):
+        return flat_slice[self.start_in_slice:self.start_in_slice + self.length]
+
+
 class Shards:
-    """Where each parameter lies in one flat buffer of P + padding elements, padded so the N
-    ranks get equal slices of S elements; rank r owns [r*S, (r+1)*S). The padding (fewer than
-    N elements, at the end of the last slice) belongs to no parameter: it has no master, no m, v."""
+    """Where each parameter lies in one flat buffer of P + padding elements, padded so N ranks get equal
+    slices of S; rank r owns [r*S, (r+1)*S). The padding (< N elements, ending the last slice) is no parameter's."""
 
     def __init__(self, sizes, world, rank):
         self.sizes = list(sizes)  # each parameter's element count, in the model's order
-        total = sum(self.sizes)
-        self.padding = -total % world
-        self.size = (total + self.padding) // world  # S
+        self.padding = -sum(self.sizes) % world
+        self.size = (sum(self.sizes) + self.padding) // world  # S
         self.start = rank * self.size
 
     def pieces(self):
-        """[(parameter index, first element in the parameter, first element in my slice, length)]
-        for every parameter that overlaps my slice, in flat order (they tile the slice)."""
+        """A Piece for every parameter that overlaps my slice, in flat order (they tile the slice)."""
         out, offset = [], 0
         for i, n in enumerate(self.sizes):
             lo, hi = max(offset, self.start), min(offset + n, self.start + self.size)
             if lo < hi:
-                out.append((i, lo - offset, lo - self.start, hi - lo))
+                out.append(Piece(i, lo - offset, lo - self.start, hi - lo))
             offset += n
         return out
 
@@ -70,28 +62,36 @@ def flatten(params, padding):
     for p in params:
         n = p.numel()
         flat[offset:offset + n].copy_(p.detach().reshape(-1))
-        # .data: the Parameter object stays (the modules, the optimizer and the tied head hold it),
-        # only its storage moves into the flat buffer
+        # .data: the modules, the optimizer and the tied head keep the parameter, its storage moves
         p.data = flat[offset:offset + n].view_as(p)
         offset += n
     return flat
 
 
+def norm_over_ranks(local_grads):
+    """The FP32 norm of the whole gradient from each rank's part of it: squares summed over the ranks."""
+    squares = precision.squared_sum(local_grads)  # fp64: the same fp32 norm as ddp's whole gradient gives
+    dist.all_reduce(squares)
+    return squares.sqrt().float()
+
+
 class SliceOptimizer(precision.MasterWeightOptimizer):
-    """MasterWeightOptimizer on one rank's slice: its norm is the norm over all ranks' slices."""
+    """MasterWeightOptimizer on one rank's slice, one flat piece per parameter it overlaps."""
+
+    def __init__(self, views, piece_decays, *args, **kwargs):
+        self.piece_decays = piece_decays
+        super().__init__(views, *args, **kwargs)
+
+    def decays(self, views):
+        return self.piece_decays  # a flat piece has lost its shape: it decays as its parameter does
 
     def global_norm(self, grads):
-        squares = precision.squared_sum(grads)  # FP64: the same FP32 norm as DDP's whole gradient gives
-        dist.all_reduce(squares)
-        return squares.sqrt().float()
+        return norm_over_ranks(grads)  # every rank skips or clips alike
 
 
 class ShardedOptimizer:
-    """ZeRO-1 (stage 1) or ZeRO-2 (stage 2) over the default process group; the same methods
-    as precision.MasterWeightOptimizer, whose step it runs on this rank's slice.
-
-    model_params: the whole model's parameters (views of `flat`, whole on every rank);
-    master_params and adamw: this rank's slice's (FP32 pieces, one per parameter it overlaps)."""
+    """ZeRO-1 or ZeRO-2 (stage): precision.MasterWeightOptimizer's methods, its step run on my slice. model_params:
+    the whole model's (views of `flat`); master_params, adamw: my slice's (a piece per parameter it overlaps)."""
 
     def __init__(self, params, master_weights, stage, lr, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0):
         if stage not in (1, 2):
@@ -104,9 +104,10 @@ class ShardedOptimizer:
         self.my_slice = self.flat[self.shards.start:self.shards.start + self.shards.size]
         self.pieces = self.shards.pieces()
         # one leaf view of my slice per parameter it overlaps: the slice optimizer's "model parameters"
-        views = [self.my_slice[at:at + n].detach().requires_grad_(True) for _, _, at, n in self.pieces]
-        self.slice = SliceOptimizer(views, master_weights, lr, weight_decay, betas, grad_clip,
-                                    decay=[self.model_params[i].dim() >= 2 for i, *_ in self.pieces])
+        views = [piece.of_slice(self.my_slice).detach().requires_grad_(True) for piece in self.pieces]
+        decays = precision.MasterWeightOptimizer.decays(self.model_params)
+        self.slice = SliceOptimizer(views, [decays[piece.index] for piece in self.pieces], master_weights, lr,
+                                    weight_decay, betas, grad_clip)
         self.master_params, self.adamw = self.slice.master_params, self.slice.adamw
         self.grad_slice = None  # this step's reduced gradient slice, until zero_grad (the ledger reads it)
 
@@ -114,26 +115,22 @@ class ShardedOptimizer:
         self.slice.set_lr(lr)
 
     def step(self, grads=None, loss_scale=1.0):
-        """Reduce-scatter, step my slice, all-gather. grads: accumulate.py's FP32 sums, or None:
-        the parameters' .grad (ZeRO-2 releases them once they are in the flat copy). Returns
-        (stepped, grad_norm), the same on every rank."""
+        """Reduce-scatter, step my slice, all-gather. grads: accumulate.py's FP32 sums, or None: the parameters'
+        .grad (ZeRO-2 releases them once in the flat copy). Returns (stepped, grad_norm), alike on every rank."""
         own = grads is None
         grads = [p.grad for p in self.model_params] if own else grads
-        parts = [g.reshape(-1) if g is not None else torch.zeros(p.numel(), dtype=self.flat.dtype,
-                                                                    device=self.flat.device)
-                 for g, p in zip(grads, self.model_params)]
+        parts = [g.reshape(-1) if g is not None else p.new_zeros(p.numel()) for g, p in zip(grads, self.model_params)]
         flat_grad = torch.cat(parts + [parts[0].new_zeros(self.shards.padding)])
         del parts, grads
         if own and self.stage == 2:
             for p in self.model_params:
-                p.grad = None  # ZeRO-2: no rank keeps the whole gradient past this point
-        flat_grad /= self.world  # before the sum, as DDP divides: the mean over ranks
+                p.grad = None  # zero-2: no rank keeps the whole gradient past this point
+        flat_grad /= self.world  # before the sum, as ddp divides: the mean over ranks
         self.grad_slice = flat_grad.new_empty(self.shards.size)
         dist.reduce_scatter_tensor(self.grad_slice, flat_grad)
         del flat_grad
-        piece_grads = [self.grad_slice[at:at + n] for _, _, at, n in self.pieces]
-        stepped, grad_norm = self.slice.step(piece_grads, loss_scale)
-        if stepped:  # every rank decided alike (the norm is global): all of them gather, or none
+        stepped, grad_norm = self.slice.step([piece.of_slice(self.grad_slice) for piece in self.pieces], loss_scale)
+        if stepped:  # the norm is global: every rank gathers, or none
             dist.all_gather_into_tensor(self.flat, self.my_slice)
         return stepped, grad_norm
 
@@ -146,81 +143,8 @@ class ShardedOptimizer:
     def state_tensors(self):
         return self.slice.state_tensors()
 
-    # ------------------------------------------------------------ snapshots: in DDP's format
-
-    def _order(self):
-        """The model parameters' indices in MasterWeightOptimizer's AdamW order: matrices first."""
-        return _decayed_first([p.dim() >= 2 for p in self.model_params])
-
-    def _slice_order(self):
-        """Positions in self.pieces in the slice AdamW's order (the same rule, per piece)."""
-        return _decayed_first([self.model_params[i].dim() >= 2 for i, *_ in self.pieces])
-
-    def _gather_flat(self, pieces):
-        """My slice's FP32 pieces end to end (the padding as zeros), gathered on rank 0 into the
-        whole flat buffer, split per parameter; None on the other ranks. A collective."""
-        mine = torch.zeros(self.shards.size, dtype=torch.float32, device=self.flat.device)
-        for (_, _, at, n), t in zip(self.pieces, pieces):
-            mine[at:at + n] = t.detach().reshape(-1)
-        full = [torch.empty_like(mine) for _ in range(self.world)] if self.rank == 0 else None
-        dist.gather(mine, full, dst=0)
-        if full is None:
-            return None
-        whole = torch.cat(full)[:sum(self.shards.sizes)]  # the padding is no parameter's
-        return [t.view_as(p).clone().cpu() for t, p in zip(whole.split(self.shards.sizes), self.model_params)]
-
     def state_dict(self):
-        """The state MasterWeightOptimizer.state_dict() of one DDP rank would give (every rank
-        calls it; rank 0 gets it, the others None), so a ZeRO snapshot is an ordinary snapshot:
-        it resumes under DDP, ZeRO-1 or ZeRO-2 alike."""
-        masters = self._gather_flat(self.master_params)  # the slice's FP32 master, or its FP32 parameters
-        state = self.adamw.state
-        moments = {}
-        for name in ("exp_avg", "exp_avg_sq"):
-            by_piece = [state[m][name] if m in state else torch.zeros(n, device=self.flat.device)
-                        for m, (_, _, _, n) in zip(self.master_params, self.pieces)]
-            moments[name] = self._gather_flat(by_piece)
-        steps = [state[m]["step"] for m in self.master_params if m in state]
-        if self.rank != 0:
-            return None
-        adamw = dict(state={}, param_groups=[])
-        order = self._order()
-        if steps:  # AdamW made its states at its first step: before it there are none to keep
-            adamw["state"] = {k: dict(step=steps[0].clone(), exp_avg=moments["exp_avg"][i],
-                                      exp_avg_sq=moments["exp_avg_sq"][i]) for k, i in enumerate(order)}
-        n_decay = sum(p.dim() >= 2 for p in self.model_params)
-        for group, ids in zip(self.adamw.param_groups, (range(n_decay), range(n_decay, len(order)))):
-            adamw["param_groups"].append({**{k: v for k, v in group.items() if k != "params"}, "params": list(ids)})
-        return dict(master_params=masters if self.master_weights else [], adamw=adamw)
-
-    def whole_groups(self):
-        """The AdamW groups a whole-model optimizer would have (for the snapshot's shape checks)."""
-        order = [self.model_params[i] for i in self._order()]
-        n_decay = sum(p.dim() >= 2 for p in self.model_params)
-        return [dict(params=order[:n_decay]), dict(params=order[n_decay:])]
+        return sharded_snapshot.gather_slice(self)  # ddp's format, on rank 0: a collective
 
     def load_state_dict(self, state):
-        """Take my slice of a whole-model optimizer state (state_dict's format, DDP's too)."""
-        pieces = self.pieces
-        with torch.no_grad():
-            for m, (i, first, _, n) in zip(self.master_params if self.master_weights else [], pieces):
-                m.copy_(state["master_params"][i].reshape(-1)[first:first + n])
-        saved = state["adamw"]
-        position = {i: k for k, i in enumerate(self._order())}  # parameter index -> saved state key
-        mine = {}
-        for k, piece in enumerate(self._slice_order()):
-            i, first, _, n = pieces[piece]
-            entry = saved["state"].get(position[i])
-            if entry is not None:
-                mine[k] = {name: (v.reshape(-1)[first:first + n].clone() if name != "step" else v.clone())
-                           for name, v in entry.items()}
-        # the saved groups' hyperparameters, with the ids of my slice's AdamW
-        groups = [dict(g, params=own["params"]) for g, own in
-                  zip(saved["param_groups"], self.adamw.state_dict()["param_groups"])]
-        self.adamw.load_state_dict(dict(state=mine, param_groups=groups))
-
-
-def _decayed_first(decayed):
-    """Indices of `decayed` with the True ones first: the order MasterWeightOptimizer's two AdamW
-    groups (weight decay, none) number their parameters in."""
-    return [k for k, d in enumerate(decayed) if d] + [k for k, d in enumerate(decayed) if not d]
+        sharded_snapshot.cut_slice(self, state)

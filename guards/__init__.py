@@ -1,9 +1,11 @@
 """What keeps a run honest at its ends, not read to learn the chapter. Read train.py first.
 
-  preflight.py       everything every rank checks before a run is built (the input, out_dir
-                     and its lock, the snapshot, K), so bad input costs nothing
-  clean_end.py       how a run ends early and cleanly: divergence, Ctrl-C and SIGTERM, a
-                     second run on one out_dir
-  snapshot_fields.py every field of a snapshot checked, by the command line's own rules,
-                     before any of it is used
+  preflight.py         everything every rank checks before a run is built (the input, out_dir
+                       and its lock, the snapshot, K), so bad input costs nothing
+  clean_end.py         how a run ends early and cleanly: divergence, Ctrl-C and SIGTERM, a
+                       second run on one out_dir
+  snapshot_fields.py   every field of a snapshot checked, by the command line's own rules,
+                       before any of it is used
+  sharded_snapshot.py  ZeRO's slices and FSDP's shards gathered into DDP's snapshot format and
+                       cut back, so a snapshot resumes under DDP, ZeRO-1, ZeRO-2 or FSDP alike
 """

@@ -9,6 +9,7 @@ make_batches); each rank writes OUT/fsdp-rank<r>.pt, a dict per case:
              reduce-scatters and all-gathers each step issued;
   accum      reduce-scatters and all-gathers per optimizer step, with and without set_requires_gradient_sync
              on the early micro-steps, and the gradients, for the big-batch oracle;
+  no_sync    reduce-scatters of K-1 backwards inside model.no_sync() (fsdp.py's) and of one after it;
   overflow   FP16, an inf planted in rank 1's gradient shard at step 1: stepped, norm, scale;
   clip       the norm every rank used vs the norm of the gathered gradient;
   parity     FP32/BF16/FP16 losses and whole parameters per step, FSDP and DDP on the same batches;
@@ -127,6 +128,19 @@ def case_accum(rank, world):
     return out
 
 
+def case_no_sync(rank, world):
+    _, model, _ = build(rank)
+    batches = rank_slice(make_batches(750, world * K, B, 16), rank, world, K)
+    COUNTS.update(reduce_scatter=0, all_gather=0)
+    with model.no_sync():
+        for x, y in batches[:-1]:
+            model(x, y)[1].backward()
+    inside = COUNTS["reduce_scatter"]
+    x, y = batches[-1]
+    model(x, y)[1].backward()
+    return dict(inside=inside, after=COUNTS["reduce_scatter"] - inside, groups=1 + len(model.h))
+
+
 def case_overflow(rank, world):
     _, model, parts = build(rank, precision="fp16", grad_clip=1.0)
     sink, planted = [], [False]
@@ -209,7 +223,7 @@ def main(argv):
     dist.init_process_group("gloo")
     count_collectives()
     results = dict(recompute=case_recompute(rank, world), accum=case_accum(rank, world),
-                   overflow=case_overflow(rank, world), clip=case_clip(rank, world),
+                   no_sync=case_no_sync(rank, world), overflow=case_overflow(rank, world), clip=case_clip(rank, world),
                    parity=case_parity(rank, world), resume=case_resume(rank, world, out))
     torch.save(results, out / f"fsdp-rank{rank}.pt")
     gc.collect()

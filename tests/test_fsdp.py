@@ -91,6 +91,17 @@ def test_early_micro_steps_do_not_reduce_scatter(ranks):
                 f"per group per micro-step, {K * groups}")
 
 
+def test_no_sync_turns_the_reduce_scatter_off_for_its_body_and_on_after(ranks):
+    """fsdp.py gives the model it shards DDP's no_sync(): K-1 backwards inside it reduce-scatter nothing,
+    the one after it reduce-scatters once per FSDP group (the context set the switch back on)."""
+    for rank in range(WORLD):
+        r = ranks[rank]["no_sync"]
+        assert r["inside"] == 0, (f"rank {rank}: {r['inside']} reduce-scatters in {K - 1} backwards inside "
+                                  f"model.no_sync(): it did not turn gradient sync off")
+        assert r["after"] == r["groups"], (f"rank {rank}: the backward after model.no_sync() reduce-scattered "
+                                           f"{r['after']} times for {r['groups']} FSDP groups: sync was not back on")
+
+
 @pytest.mark.parametrize("no_sync", [True, False])
 def test_accumulated_gradient_is_the_big_batch_gradient(ranks, no_sync):
     """K micro-steps on each of 2 ranks under FSDP == one process on the 2 x K micro-batches."""
