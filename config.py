@@ -204,87 +204,9 @@ def validate_fp8(cfg):
                          "scaling has no margin; use fp8_margin=0 or fp8_recipe=delayed")
 
 
-# ---------------------------------------------------------------- the --key=value parser
-
 # what a value may look like: ASCII digits, no spaces, no 1_000 (Python's int() and float() accept
 # all three, and digits of any script, '٥' too: [0-9] is ASCII only, \d would not be)
 NUMBER = {int: re.compile(r"[+-]?[0-9]+"), float: re.compile(r"[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][+-]?[0-9]+)?")}
-
-
-def _convert(f, text):
-    if f.type is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise UsageError(f"--{f.name} expects true|false, got {text!r}")
-    if f.type is float and text.lower().lstrip("+-") in ("inf", "infinity", "nan"):
-        raise UsageError(f"--{f.name} must be a finite number, got {text!r}")
-    if f.type in NUMBER and not NUMBER[f.type].fullmatch(text):
-        kind = {int: "int (an integer)", float: "float (a number)"}[f.type]
-        raise UsageError(f"--{f.name} expects {kind}, got {text!r}")
-    return f.type(text)
-
-
-def shown(text):
-    """`text` on one line: a control character (a newline inside a value) is written as its escape,
-    so an error message stays one line and no value can print a line of its own."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
-
-
-def parse_args(argv, *extra):
-    """Config from ["--key=value", ...]; a bare --flag sets a bool to true.
-
-    `extra`: more dataclasses of keys (a tool's own options, e.g. the ledger's --tp): their
-    flags are parsed in the same pass and one instance of each is returned after the Config."""
-    owners = {f.name: (cls, f) for cls in (Config, *extra) for f in fields(cls)}
-    values = {cls: {} for cls in (Config, *extra)}
-    for arg in argv:
-        if not arg.startswith("--"):
-            raise UsageError(f"unexpected argument {arg!r}; use --key=value (see --help)")
-        name, eq, text = arg[2:].partition("=")
-        if name not in owners:
-            raise UsageError(f"unknown flag --{name} (see --help)")
-        cls, f = owners[name]
-        if name in values[cls]:
-            raise UsageError(f"--{name} is given twice")
-        if not eq:
-            if f.type is not bool:
-                raise UsageError(f"--{name} needs a value: --{name}=...")
-            text = "true"
-        values[cls][name] = _convert(f, text)
-    cfg = validate(Config(**values[Config]))
-    if not extra:
-        return cfg
-    tools = [cls(**values[cls]) for cls in extra]
-    for t in tools:
-        check_keys(t)
-    return (cfg, *tools)
-
-
-def usage(program="train.py", *extra, choices=None):
-    """The --help text: every key with its default (or choices) and meaning. choices: {key:
-    choices} that a chapter file holds (train.usage passes checkpoint.POLICIES' names)."""
-    lines = [f"usage: python {program} [--key=value ...]", ""]
-    for cls in (*extra, Config):
-        for f in fields(cls):
-            options = (choices or {}).get(f.name) or f.metadata.get("choices")
-            default = "|".join(options) if options else repr(f.default)
-            lines.append(f"  --{f.name}={default}".ljust(40) + f" {f.metadata.get('meaning', '')}"
-                         + (f" (default {f.default})" if options else ""))
-    return "\n".join(lines)
-
-
-def flags(cfg):
-    """cfg as the command line that gives it: --key=value for every key off its default."""
-    def text(value):
-        return str(value).lower() if isinstance(value, bool) else str(value)
-    return [f"--{f.name}={text(getattr(cfg, f.name))}" for f in fields(Config) if getattr(cfg, f.name) != f.default]
-
-
-def given(argv):
-    """The keys named on a command line (to refuse a flag a program would silently ignore)."""
-    return {arg[2:].partition("=")[0] for arg in argv if arg.startswith("--")}
 
 
 def world_size():

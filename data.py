@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from config import RunError, UsageError
-from snapshot import remove_stale_temps, write_atomically
+from guards.files import remove_stale_temps, write_atomically
 
 HERE = Path(__file__).resolve().parent
 

@@ -30,10 +30,10 @@ import fsdp
 import precision
 import snapshot
 import zero
-from config import RunError, UsageError
+from config import UsageError
 from data import Batches
-from guards import clean_end, snapshot_fields
-from guards.preflight import check_saved_policy, preflight, resolve_accum, scaler_asked_anew, torch_floor_error
+from guards import clean_end, cli, snapshot_fields
+from guards.preflight import check_saved_policy, preflight, resolve_accum, scaler_asked_anew
 from ledger import run as ledger_run
 from model import GPT
 
@@ -248,51 +248,12 @@ def sample_from_snapshot(cfg):
     print(sample(model, device, cfg.sample_tokens or 200))
 
 
-def run(program, argv):
-    """Every program's main: program(argv) -> exit status. Bad input is one line and status 2;
-    a run that cannot go on, one line and status 1; Ctrl-C and SIGTERM, one line (the step
-    reached, where the last snapshot is) and 130 or 143. Both signals unwind (clean_end.Interrupted),
-    so a file being written atomically is finished or abandoned, never left half-written.
-    A torch older than this code supports is refused first, in the same one line."""
-    if why := torch_floor_error():
-        return say(f"error: {why}", 2)
-    try:
-        with clean_end.signals_handled():
-            return program(argv) or 0
-    except UsageError as e:
-        return say(f"error: {e}", 2)
-    except RunError as e:
-        return say(f"error: {e}", 1)
-    except clean_end.Interrupted as e:
-        return say(e.line(), 128 + e.signum)
-
-
-def say(line, status):
-    """The one line on stderr, in one write: torchrun's ranks share the terminal (python -u)."""
-    sys.stderr.write(config.shown(line) + "\n")
-    sys.stderr.flush()
-    return status
-
-
-def parse_args(argv, *extra):
-    """config.parse_args, then the rules a chapter file owns: the recompute policy's
-    (checkpoint.policy: one that exists, and can run with this config). Every program parses here."""
-    parsed = config.parse_args(argv, *extra)
-    checkpoint.policy(parsed[0] if extra else parsed)
-    return parsed
-
-
-def usage(program="train.py", *extra):
-    """--help: every key, CKPT's choices read from checkpoint.POLICIES."""
-    return config.usage(program, *extra, choices=dict(ckpt=tuple(checkpoint.POLICIES)))
-
-
 def program(argv):
     if any(a in ("-h", "--help") for a in argv):
-        print(usage("train.py"))
+        print(cli.usage("train.py"))
         return 0
-    cfg = parse_args(argv)
-    ignored = config.given(argv) - SAMPLE_KEYS
+    cfg = cli.parse_args(argv)
+    ignored = cli.given(argv) - SAMPLE_KEYS
     if cfg.sample_only and ignored:
         raise UsageError(f"--sample_only takes its model from the snapshot in out_dir: "
                          f"--{', --'.join(sorted(ignored))} would be ignored; only "
@@ -301,7 +262,7 @@ def program(argv):
 
 
 def main(argv):
-    return run(program, argv)
+    return cli.run(program, argv)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """What keeps a run honest at its ends, not read to learn the chapter. Read train.py first.
 
+  cli.py               the command line: --key=value into a Config, --help, and every program's
+                       one-line ending (bad input exit 2, a run that cannot go on 1, signals)
   preflight.py         everything every rank checks before a run is built (the input, out_dir
                        and its lock, the snapshot, K), so bad input costs nothing
   clean_end.py         how a run ends early and cleanly: divergence, Ctrl-C and SIGTERM, a
-                       second run on one out_dir
+                       second run on one out_dir (Guard: all of it behind one name)
+  files.py             atomic writes, the temporary files a killed run left, a folder probed
   snapshot_fields.py   every field of a snapshot checked, by the command line's own rules,
                        before any of it is used
   sharded_snapshot.py  ZeRO's slices and FSDP's shards gathered into DDP's snapshot format and

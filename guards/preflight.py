@@ -15,6 +15,7 @@ from guards import clean_end as guard
 from ledger import run as ledger_run
 import precision
 import snapshot
+from guards import files
 from guards import snapshot_fields
 import config
 from config import UsageError
@@ -56,9 +57,9 @@ def preflight(cfg, device, rank, held):
     except ValueError as e:
         raise UsageError(str(e)) from None
     if rank == 0:  # the writer of snapshots: its folder must take them
-        snapshot.check_writable(cfg.out_dir, "--out_dir")
+        files.check_writable(cfg.out_dir, "--out_dir")
     else:  # rank 0 probes the same folder now: look without making anything
-        snapshot.check_reachable(cfg.out_dir, "--out_dir")
+        files.check_reachable(cfg.out_dir, "--out_dir")
     tokens = split_tokens(load_tokens(cfg.data), cfg.block_size)
     if rank == 0:  # no other run may write there from now on: the snapshot read next is the one continued
         held.enter_context(guard.out_dir_lock(cfg.out_dir))
@@ -72,7 +73,7 @@ def preflight(cfg, device, rank, held):
             raise UsageError(f"snapshot {path} is not usable: the loss scaler tolerates {left} more overflows, "
                              f"its config's hysteresis only {hysteresis}")
     if rank == 0:  # what a killed run of ours left in out_dir goes
-        snapshot.remove_stale_temps(cfg.out_dir, (snapshot.FILE, snapshot.PROBE, ledger_run.MEMORY_HISTORY))
+        files.remove_stale_temps(cfg.out_dir, (snapshot.FILE, files.PROBE, ledger_run.MEMORY_HISTORY))
     return snap, *tokens
 
 

@@ -1,18 +1,11 @@
 """Measuring the ledger: the bytes of a real training step, counted from live tensors.
 
-Chapter section 4: the formulas of memory_ledger.py are only worth something if they
-agree with what a step really allocates. Read first: `SavedBytes` (what autograd keeps
-for backward, and who kept it: the module running, the autograd node), then `LiveTensors`
-(every storage alive, op by op, like CUDA's memory_allocated), then `measure`, which runs
-accumulate.accumulation_step itself and reads memory at each of its phases. Where the
-measured saved tensors and the description disagree, ledger/explain.py says which.
-
-Every component is counted from storages on every device, the activations too (what
-SavedBytes saw, less the kept FP8 weight copies, which are their own component): exact on
-CPU and CUDA alike. The live bytes op by op are LiveTensors on CPU (exact: every storage by
-identity) and the caching allocator's own counters on CUDA (CudaAllocator), whose growth over
-the forward is reported beside the activations with the slack its block sizes allow
-(`allocator_bounds`).
+Chapter section 4. Read first: `SavedBytes` (what autograd keeps for backward, and who kept it),
+then `LiveTensors` (every storage alive, op by op, like CUDA's memory_allocated), then `measure`,
+which runs accumulate.accumulation_step itself and reads memory at each of its phases (`phases`).
+Every component is counted from storages on every device: exact on CPU and CUDA alike. The live
+bytes op by op are LiveTensors on CPU and the caching allocator's counters on CUDA (CudaAllocator),
+whose growth over the forward is reported with the slack its block sizes allow (`allocator_bounds`).
 """
 import weakref
 from contextlib import contextmanager
@@ -386,25 +379,14 @@ def phases(model, parts, observe):
 
 
 def measure(model, parts, batch, device):
-    """Run one accumulation_step of (model, parts) on one micro-batch, and count.
-
-    Call it when the optimizer states already exist (after a first step): the steady state.
-    Returns measured bytes per component, the phase readings and the peak with its phase.
-    parameters, master, optimizer, buffers, inputs (the batch) and gradients are storage sizes
-    on every device (gradients: the distinct storages of the .grad tensors once backward is
-    done, plus the FP32 buffers with fp32_grad_accum), so they can match the formulas to the
-    byte; so are rng_states, host tensors found in the autograd graph after the forward, and
-    fp8_kept, the FP8Linears' kept weight copies (fp8_refined.WeightCopy) just before the optimizer step.
-    activations: the storages the forward saved for backward (SavedBytes), on every device;
-    storages of parameters, buffers and the batch never count, nor the kept FP8 weight copies:
-    a forward that makes one saves its scale too, and it is fp8_kept's (counted once).
-    saved_tensors: {storage: SavedTensor} of those activations, on any device: what
-    ledger/explain.py holds against the description.
-    forward_growth: the tracker's growth over the forward (LiveTensors on CPU, the allocator on
-    CUDA); forward_storages: the byte sizes of the storages the forward left alive (the
-    activations, the kept copies, the loss and the loss times its weight), which on CPU add up to forward_growth exactly and
-    on CUDA bound it (allocator_bounds).
-    """
+    """Run one accumulation_step of (model, parts) on one micro-batch, and count. Call it once the
+    optimizer states exist (after a first step): the steady state. Returns bytes per component (storage
+    sizes on every device; gradients: the .grad storages once backward is done, plus FP32 sums; fp8_kept:
+    the kept FP8 weight copies; activations: what SavedBytes saw the forward save, less those copies),
+    saved_tensors ({storage: SavedTensor}, for ledger/explain.py), the phase readings, the peak and its
+    phase, forward_growth (the tracker's growth over the forward) and forward_storages (the sizes of
+    the storages the forward left alive: activations, kept copies, the loss and the loss x weight,
+    which on CPU add up to forward_growth exactly and on CUDA bound it: allocator_bounds)."""
     device = torch.device(device)
     opt = parts.optimizer
     params, buffers = list(model.parameters()), list(model.buffers())

@@ -20,7 +20,7 @@ import flops
 import memory_ledger
 from config import UsageError
 from data import host_memory_available
-from snapshot import write_atomically
+from guards.files import write_atomically
 
 MiB, GiB = 2 ** 20, 2 ** 30
 HISTORY_STEPS = 3  # --memory_snapshot records the first steps: the first creates AdamW's states

@@ -18,7 +18,7 @@ import torch
 import accumulate
 import snapshot
 import train
-from config import parse_args
+from guards.cli import parse_args
 from conftest import merged, torchrun
 from ddp_worker import CASES, K, STEPS, B, make_batches, rank_slice, record_grads, seed_of, tiny_config
 

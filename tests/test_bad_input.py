@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import snapshot
+from guards import files
 import train
 from conftest import ROOT, merged
 from tools import bench, demos, ledger
@@ -408,9 +409,9 @@ def test_a_run_killed_mid_snapshot_leaves_no_temp_file_after_the_next_start(out_
     killed = subprocess.run([sys.executable, "-c", KILLER.format(root=str(ROOT), argv=argv)], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL
-    temps = [p.name for p in out_dir.iterdir() if snapshot.TEMP.fullmatch(p.name)]
+    temps = [p.name for p in out_dir.iterdir() if files.TEMP.fullmatch(p.name)]
     assert len(temps) == 1  # what the kill left behind
     good = (out_dir / snapshot.FILE).read_bytes()
     assert train.main(merged(*TINY, f"--out_dir={out_dir}", "--max_iters=3", "--lr_decay_iters=2", "--resume")) == 0
-    assert [p.name for p in out_dir.iterdir() if snapshot.TEMP.fullmatch(p.name)] == []
+    assert [p.name for p in out_dir.iterdir() if files.TEMP.fullmatch(p.name)] == []
     assert (out_dir / snapshot.FILE).read_bytes() != good  # and the run went on and saved

@@ -30,7 +30,7 @@ def run(tmp_path_factory):
         return kept[0]
     chapter.run_claims = keeping
     try:
-        assert chapter.train.run(chapter.program, ["--quick", f"--out_dir={out}", "--device=cpu"]) == 0
+        assert chapter.cli.run(chapter.program, ["--quick", f"--out_dir={out}", "--device=cpu"]) == 0
     finally:
         chapter.run_claims = real
     return out / "chapter", kept[0][0], lines
@@ -63,6 +63,6 @@ def test_the_report_links_readable_figures(run):
 
 
 def test_options_the_chapter_would_ignore_are_refused(capsys, tmp_path):
-    assert chapter.train.run(chapter.program, ["--n_layer=3", f"--out_dir={tmp_path}"]) == 2
+    assert chapter.cli.run(chapter.program, ["--n_layer=3", f"--out_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --n_layer: the chapter's experiments choose their own shapes") and err.count("\n") == 1

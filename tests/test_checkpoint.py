@@ -18,6 +18,7 @@ import checkpoint
 import memory_ledger
 import precision
 from config import Config, UsageError
+from guards import cli
 from ledger.measure import LiveTensors, SavedBytes
 from model import GPT, run_blocks_in_order
 from tools.demos import counted_step_flops
@@ -101,7 +102,7 @@ def test_the_benchmarks_pair_runs_both_recomputes_alike(monkeypatch):
     flags = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2", "--precision=fp32",
              "--attn=manual", "--data=" + str(memory_ledger.__file__)]
     cpu = torch.device("cpu")
-    full, none = bench.train.parse_args(flags + ["--ckpt=full"]), bench.train.parse_args(flags)
+    full, none = cli.parse_args(flags + ["--ckpt=full"]), cli.parse_args(flags)
     runs = dict(bench.pair_models(full, cpu), none=bench.train.build(none, cpu))
     calls, real = [], torch.utils.checkpoint.checkpoint
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
@@ -544,11 +545,11 @@ def test_a_new_policy_is_one_class(monkeypatch, tmp_path):
     assert inner is run_blocks_in_order
     per_token = checkpoint.recompute_flops_per_token(make_model("every_other"), EveryOther())
     assert per_token * 2 == checkpoint.recompute_flops_per_token(make_model("full"), checkpoint.Full())
-    assert "every_other" in train.usage()
+    assert "every_other" in cli.usage()
     flags = ["--n_layer=3", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--max_iters=2",
              "--sample_tokens=0", "--ledger=false", "--ckpt=every_other", f"--out_dir={tmp_path}"]
     assert train.main(flags) == 0 and (tmp_path / "snapshot.pt").exists()
-    cfg = train.parse_args(flags[:5] + ["--ckpt=every_other", "--dropout=0.1", "--device=cpu"])
+    cfg = cli.parse_args(flags[:5] + ["--ckpt=every_other", "--dropout=0.1", "--device=cpu"])
     meas = tool.run_config(cfg, torch.device("cpu"))
     rows, ok = tool.compare(cfg, meas)
     assert ok and rows[-1][1] == rows[-1][2], tool.failure(cfg, rows, meas)

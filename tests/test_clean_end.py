@@ -21,8 +21,9 @@ import data
 from guards import clean_end as guard
 import precision
 import snapshot
+from guards import files
 import train
-from config import parse_args
+from guards.cli import parse_args
 from conftest import ROOT, merged
 from test_bad_input import TINY, ends_in_one_line, good_run, listing, out_dir, run_main  # noqa: F401 (fixtures)
 
@@ -251,7 +252,7 @@ class FullDisk(io.FileIO):
 
 def test_a_disk_that_fills_mid_snapshot_keeps_the_previous_one(out_dir, capsys, monkeypatch):
     # the real torch.save, on a file that runs out of space: torch reports it as RuntimeError
-    monkeypatch.setattr(snapshot, "open", lambda path, mode: FullDisk(path, "w"), raising=False)
+    monkeypatch.setattr(files, "open", lambda path, mode: FullDisk(path, "w"), raising=False)
     before = listing(out_dir)
     code, err = run_main(train.main, merged(*TINY, f"--out_dir={out_dir}"), capsys)
     ends_in_one_line(code, err, 1, "(is the disk full?)")

@@ -22,7 +22,7 @@ import data
 import fp8
 from backends import fp8_gemm, fp8_refined, fp8_te
 import train
-from config import parse_args
+from guards.cli import parse_args
 from conftest import ROOT, merged
 from ledger import measure
 from fp8 import E4M3, E5M2, FP8Linear

@@ -12,7 +12,8 @@ import torch
 
 import snapshot
 import train
-from config import UsageError, parse_args
+from config import UsageError
+from guards.cli import parse_args
 from conftest import torchrun
 from ddp_worker import make_batches, tiny_config
 from fsdp_worker import B, K, Stream

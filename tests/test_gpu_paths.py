@@ -15,8 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import flops
 import precision
 import train
+from guards import cli
 from backends import fp8_te
-from config import parse_args
+from guards.cli import parse_args
 from conftest import ROOT, merged
 from guards import preflight
 from ledger import run as ledger_run
@@ -97,7 +98,7 @@ def test_gpu_check_summary_reads_the_ledger_and_bench_files(tmp_path):
 
 
 def test_the_fast_configuration_names_the_peak_its_mfu_divides_by(monkeypatch):
-    cfg = train.parse_args(bench.FAST)
+    cfg = cli.parse_args(bench.FAST)
     assert (cfg.precision, cfg.attn, cfg.n_layer, cfg.n_embd, cfg.block_size) == ("bf16", "sdpa", 12, 768, 1024)
     recipe = precision.recipe(cfg)
     assert "measured" in bench.peak_source(cfg, recipe, torch.device("cpu"), 1.0)

@@ -14,7 +14,8 @@ import checkpoint
 import memory_ledger as ml
 import model
 import train
-from config import Config, parse_args
+from config import Config
+from guards.cli import parse_args
 from conftest import merged
 from ledger import explain, measure
 from ledger.ops import Ops

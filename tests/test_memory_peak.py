@@ -10,7 +10,8 @@ import accumulate
 import fp8
 import memory_ledger as ml
 import train
-from config import Config, parse_args
+from config import Config
+from guards.cli import parse_args
 from ledger import measure, step
 from ledger import parallel as mp
 from ledger.ops import Ops

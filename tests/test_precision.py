@@ -12,7 +12,8 @@ import accumulate
 import data
 import precision
 import train
-from config import Config, UsageError, parse_args
+from config import Config, UsageError
+from guards.cli import parse_args
 from conftest import ROOT, merged
 from fp8 import E4M3, E5M2
 from precision import LossScaler, MasterWeightOptimizer

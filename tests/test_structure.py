@@ -20,6 +20,9 @@ ROOT_FILES = {"config", "data", "model", "precision", "fp8", "accumulate", "chec
 CHAPTER = sorted(ROOT_FILES - {"config", "train"})
 MACHINERY = ("ledger", "backends", "guards")  # what the chapter stands on, each a folder: not read to learn it
 ORDER = ["config", *CHAPTER, "train"]  # tools/ come after train and nothing imports them
+FILE_BUDGET = 450  # lines per file: the project's own rule (delete before you split)
+ROOT_BUDGET = 2600  # lines of the chapter's files at the root, together
+LOOP_BUDGET = 60  # lines of train.train_loop: the loop reads top to bottom
 PRECISION_KEYS = {"precision", "loss_scale", "loss_scale_hysteresis", "fp8_backend", "fp8_recipe",
                   "fp8_amax_history", "fp8_margin", "fp8_grad"}
 
@@ -89,7 +92,8 @@ def test_chapter_files_print_nothing_and_parse_nothing():
 @pytest.mark.parametrize("name", list(project_files()))
 def test_every_file_is_short_and_says_what_to_read_first(name):
     path = project_files()[name]
-    assert len(path.read_text().splitlines()) <= 450, name  # ../shared/tools/house.py's budget
+    lines = len(path.read_text().splitlines())
+    assert lines <= FILE_BUDGET, f"{name}.py has {lines} lines; the project's rule is {FILE_BUDGET} at most"
     doc = ast.get_docstring(ast.parse(path.read_text()))
     assert doc, f"{name} has no module docstring"
     if name in CHAPTER or name.startswith(MACHINERY):
@@ -154,3 +158,25 @@ def test_a_recipe_is_decided_once_from_the_loss_scale_keys():
     assert static.mode == "static" and static.loss_scale == 1024.0
     te = precision.recipe(Config(precision="fp8", fp8_backend="te", fp8_recipe="current", fp8_amax_history=4))
     assert te.fp8 == fp8.Settings(backend="te", scaling="current", history=4, margin=0, grad="bf16")
+
+
+def test_the_chapter_at_the_root_stays_short():
+    total = sum(len(p.read_text().splitlines()) for p in ROOT.glob("*.py"))
+    assert total <= ROOT_BUDGET, f"the root's .py files hold {total} lines; the budget is {ROOT_BUDGET}"
+    loop = next(n for n in ast.parse((ROOT / "train.py").read_text()).body
+                if isinstance(n, ast.FunctionDef) and n.name == "train_loop")
+    length = loop.end_lineno - loop.lineno + 1
+    assert length <= LOOP_BUDGET, f"train.train_loop is {length} lines; the budget is {LOOP_BUDGET}"
+
+
+def test_each_mechanism_reads_within_its_budget_and_chases_nothing_uncounted():
+    from tools import reading
+    problems = reading.check()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_readmes_tables_are_the_counts():
+    from tools import reading
+    readme = (ROOT / "README.md").read_text()
+    for name, table in (("reading paths", reading.table()), ("files", reading.files_table())):
+        assert table in readme, f"README.md's table of {name} is not what tools/reading.py counts now:\n{table}"

@@ -12,7 +12,8 @@ import data
 import precision
 import snapshot
 import train
-from config import Config, parse_args
+from config import Config
+from guards.cli import parse_args
 from conftest import ROOT, merged
 
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64", "--batch_size=8", "--sample_tokens=0",

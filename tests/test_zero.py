@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from guards import cli
 
 import zero
 from ledger import comm
@@ -255,7 +256,7 @@ def test_zero_and_ddp_snapshots_are_one_format(resumed):
     and gives back the same state, every master weight and AdamW moment."""
     import snapshot
     import train
-    from config import parse_args
+    from guards.cli import parse_args
     from data import Batches
     snap, _, _ = resumed
     saved = snap["at 2"]

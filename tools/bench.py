@@ -41,9 +41,11 @@ import memory_ledger  # noqa: E402
 from ledger import measure  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
-from config import UsageError, given, key, validate  # noqa: E402
+from guards import cli  # noqa: E402
+from config import UsageError, key, validate  # noqa: E402
+from guards.cli import given  # noqa: E402
 from data import Batches, load_tokens, split_tokens  # noqa: E402
-from snapshot import check_writable, write_atomically  # noqa: E402
+from guards.files import check_writable, write_atomically  # noqa: E402
 
 SECTIONS = ("precision", "ckpt", "memory", "ddp", "fp8wide", "fast")
 # fast: what a GPU is for. ATTN=manual stays the teaching default (it keeps the s x s softmax the
@@ -85,7 +87,7 @@ class AutocastReference:
 
 def measure_row(flags, steps, warmup, autocast_reference=False):
     """Build the config's model, run warm-up steps, then time `steps` optimizer steps."""
-    cfg = train.parse_args(flags)
+    cfg = cli.parse_args(flags)
     device = train.pick_device(cfg)
     tokens, _ = split_tokens(load_tokens(cfg.data), cfg.block_size)
     model, parts = train.build(cfg, device)
@@ -131,7 +133,7 @@ def measure_pair(flags, pairs, warmup):
     same batches, each first in every other pair, so that this machine's drift falls on both;
     the time ratio is the median of the pairs' ratios. Then one more step of each for its peak
     (step_peak: the bytes the step adds at its highest, beyond the states and the batch)."""
-    cfg = train.parse_args(flags)
+    cfg = cli.parse_args(flags)
     device = train.pick_device(cfg)
     tokens, _ = split_tokens(load_tokens(cfg.data), cfg.block_size)
     runs = pair_models(cfg, device)
@@ -379,17 +381,17 @@ def fmt(v, kind):
 
 def program(argv):
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip() + "\n\n" + train.usage("tools/bench.py", BenchOptions))
+        print(__doc__.strip() + "\n\n" + cli.usage("tools/bench.py", BenchOptions))
         return 0
     return run_sections(argv)
 
 
 def main(argv):
-    return train.run(program, argv)
+    return cli.run(program, argv)
 
 
 def run_sections(argv):
-    cfg, opts = train.parse_args(argv, BenchOptions)
+    cfg, opts = cli.parse_args(argv, BenchOptions)
     base = [a for a in argv if a.split("=")[0][2:] not in BenchOptions.__dataclass_fields__]
     steps, warmup, sections = opts.steps, opts.warmup, opts.sections.split(",")
     if any(s not in SECTIONS for s in sections):
@@ -408,7 +410,7 @@ def run_sections(argv):
     planned = []
     run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, planned, dry=True)
     for flags in planned:
-        train.parse_args(flags)
+        cli.parse_args(flags)
     rows = run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, [], dry=False,
                              rounds=opts.rounds)
     out = Path(cfg.out_dir)
@@ -437,5 +439,5 @@ def row_program(argv):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--row"]:
-        sys.exit(train.run(row_program, sys.argv[2:]))
+        sys.exit(cli.run(row_program, sys.argv[2:]))
     sys.exit(main(sys.argv[1:]))

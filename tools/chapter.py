@@ -17,8 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's files sit one folder up
 
 import train  # noqa: E402
-from config import UsageError, given, key  # noqa: E402
-from snapshot import check_writable, write_atomically  # noqa: E402
+from guards import cli  # noqa: E402
+from config import UsageError, key  # noqa: E402
+from guards.cli import given  # noqa: E402
+from guards.files import check_writable, write_atomically  # noqa: E402
 from tools import chapter_runs as section1  # noqa: E402
 from tools import chapter_runs_memory as sections234  # noqa: E402
 from tools import ledger  # noqa: E402
@@ -92,9 +94,9 @@ def report(claims, extras, device, seconds):
 
 def program(argv):
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip() + "\n\n" + train.usage("tools/chapter.py", ChapterOptions))
+        print(__doc__.strip() + "\n\n" + cli.usage("tools/chapter.py", ChapterOptions))
         return 0
-    cfg, opts = train.parse_args(argv, ChapterOptions)
+    cfg, opts = cli.parse_args(argv, ChapterOptions)
     ignored = given(argv) - {"device", "out_dir", "quick", "steps"}
     if ignored:
         raise UsageError(f"--{', --'.join(sorted(ignored))}: the chapter's experiments choose their own shapes; "
@@ -113,5 +115,5 @@ def program(argv):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        sys.exit(train.run(sections234.worker_program, sys.argv[2:]))
-    sys.exit(train.run(program, sys.argv[1:]))
+        sys.exit(cli.run(sections234.worker_program, sys.argv[2:]))
+    sys.exit(cli.run(program, sys.argv[1:]))

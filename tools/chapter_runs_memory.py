@@ -21,10 +21,11 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import accumulate  # noqa: E402
 import train  # noqa: E402
+from guards import cli  # noqa: E402
 from config import UsageError  # noqa: E402
 from ledger import shard as ls  # noqa: E402
 from ledger.measure import SavedBytes  # noqa: E402
-from snapshot import check_writable  # noqa: E402
+from guards.files import check_writable  # noqa: E402
 from tools import demos, ledger, plots  # noqa: E402
 from tools.chapter_runs import Claim, machine, slow_because, step_seconds, tiny  # noqa: E402
 
@@ -271,4 +272,4 @@ def program(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(train.run(program, sys.argv[1:]))
+    sys.exit(cli.run(program, sys.argv[1:]))

@@ -19,7 +19,9 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 import checkpoint  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
-from config import Config, UsageError, given, validate  # noqa: E402
+from guards import cli  # noqa: E402
+from config import Config, UsageError, validate  # noqa: E402
+from guards.cli import given  # noqa: E402
 from data import Batches, load_tokens  # noqa: E402
 from model import GPT  # noqa: E402
 
@@ -105,7 +107,7 @@ COUNTED_KEYS = {"n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias
 def counted_step_flops(flags):
     """{policy: FLOPs of one forward + backward}, counted by FlopCounterMode, for train.py flags.
     FP32 and manual attention: the counter sees the attention core's matmuls as plain ops."""
-    base = train.parse_args(flags)
+    base = cli.parse_args(flags)
     fixed = given(flags) & {*COUNTED_AS, "ckpt", "ckpt_segment"}
     if fixed:
         raise UsageError(f"--{', --'.join(sorted(fixed))}: the FLOP count sets these itself (fp32, manual "
@@ -148,7 +150,7 @@ def program(argv):
 
 
 def main(argv):
-    return train.run(program, argv)
+    return cli.run(program, argv)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-import train  # noqa: E402
-from snapshot import check_writable, write_atomically  # noqa: E402
+from guards import cli  # noqa: E402
+from guards.files import check_writable, write_atomically  # noqa: E402
 from tools.bench import fmt, overridden  # noqa: E402
 
 BUDGET_S = 470  # the whole run; each step also has its own cap below
@@ -145,7 +145,7 @@ def program(argv, plan=None):
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         return 0
-    cfg = train.parse_args(argv)  # the flags the ledger and the benchmark will get: bad ones stop here
+    cfg = cli.parse_args(argv)  # the flags the ledger and the benchmark will get: bad ones stop here
     if plan is None and not torch.cuda.is_available():
         print(NO_GPU)
         return 0
@@ -161,7 +161,7 @@ def program(argv, plan=None):
 
 
 def main(argv):
-    return train.run(program, argv)
+    return cli.run(program, argv)
 
 
 if __name__ == "__main__":

@@ -46,10 +46,12 @@ from backends import fp8_gemm  # noqa: E402
 import memory_ledger as ml  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
-from config import Config, RunError, UsageError, flags, given, key, validate  # noqa: E402
+from guards import cli  # noqa: E402
+from config import Config, RunError, UsageError, key, validate  # noqa: E402
+from guards.cli import flags, given  # noqa: E402
 from ledger import explain, measure, papers  # noqa: E402
 from ledger import parallel as mp  # noqa: E402
-from snapshot import check_writable, write_atomically  # noqa: E402
+from guards.files import check_writable, write_atomically  # noqa: E402
 from tools import ledger_report as report  # noqa: E402
 from tools.ledger_report import format_table  # noqa: E402,F401  (tools/chapter.py prints with it)
 
@@ -114,7 +116,7 @@ def format_closed_forms(cfg, meas):
     measured = {"model states": sum(meas[k] for k in ("parameters", "gradients", "master", "optimizer")),
                 "activations": meas["activations"]}
     lines = ["the chapter's closed forms beside the description (exact) and the measurement, bytes:",
-             f"{'':28} {'closed form':>14} {'description':>14} {'measured':>14}  formula"]
+             f"{'':28} {'closed form':>14} {'description':>14} {'measured':>14}  the closed form's formula:"]
     for quantity, formula, closed, described, differences in papers.closed_form_rows(cfg):
         got = measured[quantity.split(",")[0]]
         lines.append(f"{quantity:28} {closed:14,d} {described:14,d} {got:14,d}  {formula}")
@@ -316,10 +318,10 @@ def program(argv):
     unwritable out_dir) is one line 'error: ...' on stderr and exit status 2; all measuring
     happens before anything is printed, so such an error leaves stdout empty."""
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip() + "\n\n" + train.usage("tools/ledger.py", LedgerOptions))
+        print(__doc__.strip() + "\n\n" + cli.usage("tools/ledger.py", LedgerOptions))
         return 0
     started = time.perf_counter()
-    cfg, opts = train.parse_args(argv, LedgerOptions)
+    cfg, opts = cli.parse_args(argv, LedgerOptions)
     if opts.what_if_only:  # the big shapes and the papers' own: no key of this run applies
         ignored = given(argv) - {f.name for f in fields(LedgerOptions)}
         if ignored:
@@ -372,7 +374,7 @@ def program(argv):
 
 
 def main(argv):
-    return train.run(program, argv)
+    return cli.run(program, argv)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ import torch.distributed as dist  # noqa: E402
 
 import accumulate  # noqa: E402
 import train  # noqa: E402
+from guards import cli  # noqa: E402
 from config import UsageError, key  # noqa: E402
 from ledger import comm, measure  # noqa: E402
 from ledger import shard as ls  # noqa: E402
-from snapshot import write_atomically  # noqa: E402
+from guards.files import write_atomically  # noqa: E402
 
 MEASURED = ("parameters", "buffers", "master", "optimizer", "step_gradients", "fp8_kept", "activations", "peak")
 
@@ -52,7 +53,7 @@ def measure_shard(cfg, shard, rank, world):
 
 
 def program(argv):
-    cfg, opts = train.parse_args(argv, RankOptions)
+    cfg, opts = cli.parse_args(argv, RankOptions)
     if not opts.into:
         raise UsageError("--into=FILE is needed: where rank 0 writes the figures")
     cfg = replace(cfg, device="cpu")
@@ -74,4 +75,4 @@ def program(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(train.run(program, sys.argv[1:]))
+    sys.exit(cli.run(program, sys.argv[1:]))

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+ORDER = ["config", "model", "precision", "fp8", "accumulate", "checkpoint", "memory_ledger", "zero", "fsdp", "train",
+         "snapshot", "data", "flops"]  # the files in the order PATHS reads them
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,10 @@ PATHS = [  # in the README's reading order
     Reading("mixed precision: master weights + loss scaler", "precision.py",
           ("MasterWeightOptimizer", "squared_sum", "LossScaler"), ("recipe", "Recipe"), 150),
     Reading("FP8: E4M3 forward, delayed scaling, BF16 backward", "fp8.py",
-          ("Settings", "scale_from_amax", "amax_of", "quantize", "FP8LinearFunction", "FP8Linear", "layers",
+          ("Settings", "scale_from_amax", "amax_of", "quantize", "_FP8LinearFunction", "FP8Linear", "layers",
            "fold_amax", "release_weight_copies"), (), 150),
+    Reading("FP8: the weight kept per step, the E5M2 backward", "backends/fp8_refined.py",
+            ("WEIGHT_MODES", "weight_copies", "Rerun", "WeightCopy", "_FP8LinearFunction", "FP8Linear")),
     Reading("gradient accumulation + no_sync", "accumulate.py",
           ("StepParts", "accumulation_step", "optimizer_step", "effective_batch"),
           ("token_weights", "fp32_grad_buffers", "add_to_fp32_sums", "all_reduce_mean", "accum_from_total_tokens"),
@@ -60,8 +64,7 @@ PATHS = [  # in the README's reading order
     Reading("building a run: precision, model, policy, optimizer", "train.py",
             ("build", "make_optimizer", "wrap_ddp", "pick_device"), docstring=False),
     Reading("snapshots and the random streams", "snapshot.py",
-            ("capture", "restore", "save", "read", "rng_state", "set_rng_state"),
-            ("write_atomically", "remove_stale_temps", "check_writable", "check_reachable")),
+            ("capture", "restore", "save", "read", "rng_state", "set_rng_state")),
     Reading("the data", "data.py", ("Batches", "DrawnOnce")),
 ]
 
@@ -166,6 +169,19 @@ def table():
     return "\n".join(rows)
 
 
+def files_table():
+    """Each root file (the chapter) with its line count and its docstring's first sentence."""
+    rows = ["| file | lines | what it is |", "|---|---|---|"]
+    total = 0
+    for path in sorted(ROOT.glob("*.py"), key=lambda p: ORDER.index(p.stem) if p.stem in ORDER else len(ORDER)):
+        lines = len(path.read_text().splitlines())
+        total += lines
+        first = ast.get_docstring(ast.parse(path.read_text())).split("\n")[0]
+        rows.append(f"| `{path.name}` | {lines} | {first} |")
+    rows.append(f"| all of them | {total} | |")
+    return "\n".join(rows)
+
+
 def check():
     """[problems]: a plain path over its budget, or calling what no path counts."""
     problems = []
@@ -179,7 +195,7 @@ def check():
 
 def main(argv):
     try:
-        print(table())
+        print(table() + "\n\n" + files_table())
     except KeyError as e:  # a definition PATHS names that the code no longer has
         print(f"error: {e.args[0]}", file=sys.stderr)
         return 1
