@@ -64,7 +64,7 @@ $(error error: NPROC=$(value NPROC) is more ranks than this machine's $(LIMIT) (
 endif
 endif
 
-.PHONY: help train test bench sample ddp ledger chapter dtypes underflow flops gpu-check clean
+.PHONY: help train test bench sample ddp ledger chapter dtypes underflow flops reading gpu-check clean
 
 help: $(DEPS)  ## this list; CKPT's choices are read from checkpoint.POLICIES
 	@echo "make train      train on the built-in data (PRECISION=fp32|bf16|fp16|fp8 CKPT=<a policy, below> ACCUM=K)"
@@ -78,10 +78,12 @@ help: $(DEPS)  ## this list; CKPT's choices are read from checkpoint.POLICIES
 	@echo "make dtypes     the dtype table from torch.finfo"
 	@echo "make underflow  the share of FP16 gradients lost without loss scaling"
 	@echo "make flops      each recompute policy's step FLOPs, counted by FlopCounterMode"
+	@echo "make reading    the lines a learner reads per mechanism, counted from the code (the README's tables)"
 	@echo "make gpu-check  on a GPU: CUDA tests, ledger, benchmark (the fast config too), every step run -> out/gpu-check/summary.md"
 	@echo "variables: any config key in capitals (python train.py --help lists them), NPROC, PYTHON, ARGS='--key=value ...'"
 	@$(PY) -c 'import checkpoint; print("CKPT= recompute policies (one class each in checkpoint.py):"); \
-		[print(f"  {name:10} {policy.help}") for name, policy in checkpoint.POLICIES.items()]'
+		[print(f"  {name:10} {policy.help}") for name, policy in checkpoint.POLICIES.items()]; \
+		print("CKPT_IMPL= hooks (the real recompute, on saved-tensor hooks) | naive (the textbook Function)")'
 
 $(VENV)/.installed: requirements.txt
 	python3 -m venv $(VENV)
@@ -119,6 +121,9 @@ underflow: $(DEPS)
 
 flops: $(DEPS)
 	$(PY) tools/demos.py flops $(FLAGS)
+
+reading:
+	python3 tools/reading.py --check
 
 gpu-check: $(DEPS)
 	@$(PY) tools/gpu_check.py $(FLAGS)

@@ -22,185 +22,6 @@ from backends import fp8_gemm, fp8_refined, fp8_te
 from fp8 import Settings as FP8Settings
 from model import default_linear
 
-# ---------------------------------------------------------------- the dtype table
-
-
-def dtype_row(name, dtype):
-    """Bits, exponent and mantissa widths, range and precision of one float dtype, from torch.finfo."""
-    fi = torch.finfo(dtype)
-    mantissa = round(-math.log2(fi.eps))  # eps = 2^-mantissa_bits
-    return dict(name=name, bits=fi.bits, exponent=fi.bits - 1 - mantissa, mantissa=mantissa,
-                max=fi.max, smallest_normal=fi.smallest_normal, eps=fi.eps)
-
-
-def dtype_table():
-    """The chapter's table, computed: FP32, FP16, BF16 and the two FP8 formats (where torch has them)."""
-    rows = [("FP32", torch.float32), ("FP16", torch.float16), ("BF16", torch.bfloat16),
-            ("FP8 E4M3", fp8.E4M3), ("FP8 E5M2", fp8.E5M2)]
-    return [dtype_row(name, dtype) for name, dtype in rows if dtype is not None]
-
-
-# ---------------------------------------------------------------- the recipe: PRECISION, decided once
-
-@dataclass(frozen=True)
-class Recipe:
-    """What a PRECISION means for every other file. Built once by `recipe(cfg)`; nothing
-    else reads the precision keys of the config."""
-    name: str  # fp32|bf16|fp16|fp8, for the log
-    param_dtype: torch.dtype  # parameters, so activations and gradients too
-    master_weights: bool  # an FP32 master copy that AdamW updates (every 16-bit precision)
-    loss_scaling: str  # none|dynamic|static
-    static_scale: float  # the scale of loss_scaling=static
-    hysteresis: int  # overflows tolerated before a dynamic scale backs off
-    fp8: FP8Settings = None  # the FP8 Linears' settings, or None: plain Linears
-
-    @property
-    def element_bytes(self):
-        """Bytes per parameter, activation and gradient element."""
-        return torch.empty((), dtype=self.param_dtype).element_size()
-
-    def linear_factory(self):
-        """What model.GPT builds each Linear with."""
-        if self.fp8 is None:
-            return default_linear
-        if self.fp8.backend == "te":
-            return fp8_te.linear_factory(self.fp8)
-        return functools.partial(fp8_refined.FP8Linear, recipe=self.fp8.scaling, amax_history=self.fp8.history,
-                                 margin=self.fp8.margin, grad=self.fp8.grad)
-
-    def forward_context(self, model, micro_step=None):
-        """Entered around every forward of `model`. micro_step: its index in accumulation_step's
-        optimizer step (0 = the first), None outside one (evaluation, sampling). For FP8 it tells
-        each FP8 Linear of the model which FP8 weight to use (fp8_refined.WEIGHT_MODES: quantized once
-        per optimizer step, at micro-step 0) and opens Transformer Engine's FP8 autocast for
-        fp8_backend=te. A context manager because, like torch.autocast, it holds for all the
-        forward calls and ends with it."""
-        if self.fp8 is None:
-            return nullcontext()
-        mode = "fresh" if micro_step is None else "refresh" if micro_step == 0 else "reuse"
-        te_autocast = fp8_te.autocast(self.fp8) if self.fp8.backend == "te" else nullcontext()
-        return _all_of(fp8_refined.weight_copies(fp8.layers(model), mode), te_autocast)
-
-    def recompute_contexts(self, modules):
-        """(around a recompute unit's forward, around its re-run in backward) for the unit made of
-        `modules`, asked at the unit's forward (checkpoint.apply_policy gets this method from
-        train.build). The re-run uses the FP8 weight its forward used and records no amax
-        (fp8_refined.Rerun); under TE it also re-enters TE's FP8 autocast with TE's recompute-phase
-        flags (fp8_te.recompute_contexts)."""
-        if self.fp8 is None:
-            return nullcontext(), nullcontext()
-        rerun = fp8_refined.Rerun([m for module in modules for m in fp8.layers(module)])
-        if self.fp8.backend != "te":
-            return nullcontext(), rerun
-        around_forward, around_rerun = fp8_te.recompute_contexts(self.fp8)
-        return around_forward, _all_of(rerun, *around_rerun)
-
-    @property
-    def rerun_stops_early(self):
-        """Whether a recompute unit's re-run may stop once it has made the last tensor its nodes
-        saved (checkpoint.Unit.file), skipping the rest (checkpoint.rerun_stops_early asks). Not
-        under Transformer Engine: a TE module puts its FP8 scales back only when its forward
-        returns (prepare_forward in transformer_engine/pytorch/module/base.py restores them
-        after its yield, with no finally), so a re-run stopped inside one would leave the
-        forward's scales swapped in."""
-        return self.fp8 is None or self.fp8.backend != "te"
-
-    def loss_scaler(self):
-        return LossScaler(self.loss_scaling, init_scale=self.static_scale, hysteresis=self.hysteresis)
-
-    def check_device(self, device):
-        """Raise ValueError where this recipe cannot run on `device` (FP8 needs its matmul)."""
-        if self.fp8 is not None and self.fp8.backend == "te":
-            fp8_te.check_available(device)
-        elif self.fp8 is not None and (why := fp8_gemm.fp8_matmul_error(device)):
-            raise ValueError(f"precision=fp8 with fp8_backend=native: {why}")
-
-
-@contextmanager
-def _all_of(*contexts):
-    """One context manager that enters `contexts` in order (and leaves them in reverse)."""
-    with ExitStack() as stack:
-        for c in contexts:
-            stack.enter_context(c)
-        yield
-
-
-PARAM_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
-
-
-def recipe(cfg):
-    """The Recipe for cfg: the one place that reads precision, loss_scale* and fp8_*."""
-    scaling, static_scale = cfg.loss_scale, 2.0 ** 16
-    if scaling == "auto":  # FP16's range needs scaling; BF16's (FP32's exponent) does not
-        scaling = "dynamic" if cfg.precision == "fp16" else "none"
-    elif scaling not in ("dynamic", "none"):
-        scaling, static_scale = "static", float(cfg.loss_scale)
-    settings = None
-    if cfg.precision == "fp8":
-        settings = fp8.Settings(backend=cfg.fp8_backend, scaling=cfg.fp8_recipe, history=cfg.fp8_amax_history,
-                                margin=cfg.fp8_margin, grad=cfg.fp8_grad)
-    dtype = PARAM_DTYPE[cfg.precision]
-    return Recipe(name=cfg.precision, param_dtype=dtype, master_weights=dtype != torch.float32,
-                  loss_scaling=scaling, static_scale=static_scale, hysteresis=cfg.loss_scale_hysteresis,
-                  fp8=settings)
-
-
-# ---------------------------------------------------------------- loss scaling
-
-class LossScaler:
-    """Multiply the loss by `loss_scale` before backward, so small FP16 gradients stay above FP16's
-    smallest normal (6.1e-5; below 6e-8 they are 0), and divide it out in FP32 (MasterWeightOptimizer.step).
-    "dynamic": start at 2^16; a step whose gradients hold inf/NaN is skipped and halves the scale;
-    `growth_interval` clean steps in a row double it (torch.amp.GradScaler's trajectory). `hysteresis`
-    > 1 (Megatron-LM's) tolerates that many overflows before backing off, restored by a growth.
-    "static": a fixed scale. "none": 1.
-    """
-
-    def __init__(self, mode="none", init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
-                 growth_interval=2000, hysteresis=1):
-        if mode not in ("dynamic", "static", "none"):
-            raise ValueError(f"loss scale mode must be dynamic|static|none, got {mode!r}")
-        if hysteresis < 1:
-            raise ValueError(f"loss_scale_hysteresis must be >= 1, got {hysteresis}")
-        self.mode = mode
-        self.loss_scale = float(init_scale) if mode != "none" else 1.0
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.hysteresis = growth_interval, hysteresis
-        self.clean_steps = 0  # clean steps in a row since the last change of scale
-        self.overflows_left = hysteresis  # overflows still tolerated before backing off
-        self.skipped_steps = 0
-
-    def backward(self, loss):
-        """Backward of loss * loss_scale: every gradient comes out multiplied by the scale."""
-        (loss * self.loss_scale).backward() if self.loss_scale != 1.0 else loss.backward()
-
-    def update(self, found_inf):
-        """After a step: count a skip and back off on overflow; grow after a run of clean steps."""
-        if found_inf:
-            self.skipped_steps += 1
-        if self.mode != "dynamic":
-            return
-        if found_inf:
-            self.clean_steps = 0
-            self.overflows_left = max(self.overflows_left - 1, 0)
-            if self.overflows_left == 0:
-                self.loss_scale *= self.backoff_factor
-        else:
-            self.clean_steps += 1
-            if self.clean_steps == self.growth_interval:
-                self.loss_scale *= self.growth_factor
-                self.clean_steps = 0
-                self.overflows_left = self.hysteresis
-
-    def state_dict(self):
-        return dict(loss_scale=self.loss_scale, clean_steps=self.clean_steps,
-                    overflows_left=self.overflows_left, skipped_steps=self.skipped_steps)
-
-    def load_state_dict(self, state):
-        for k, v in state.items():
-            setattr(self, k, v)
-
-
 # ---------------------------------------------------------------- master weights + optimizer
 
 NORM_CHUNK = 1 << 20  # elements: the FP64 copy a norm makes of its input stays 8 MiB
@@ -281,3 +102,173 @@ class MasterWeightOptimizer:
             for m, saved in zip(self.master_params if self.master_weights else [], state["master_params"]):
                 m.copy_(saved)
         self.adamw.load_state_dict(state["adamw"])
+
+
+# ---------------------------------------------------------------- loss scaling
+
+class LossScaler:
+    """Multiply the loss by `loss_scale` before backward, so small FP16 gradients stay above FP16's
+    smallest normal (6.1e-5; below 6e-8 they are 0), and divide it out in FP32 (MasterWeightOptimizer.step).
+    "dynamic": start at 2^16; a step whose gradients hold inf/NaN is skipped and halves the scale;
+    `growth_interval` clean steps in a row double it (torch.amp.GradScaler's trajectory). `hysteresis`
+    > 1 (Megatron-LM's) tolerates that many overflows before backing off, restored by a growth.
+    "static": a fixed scale. "none": 1.
+    """
+
+    def __init__(self, mode="none", init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000, hysteresis=1):
+        if mode not in ("dynamic", "static", "none"):
+            raise ValueError(f"loss scale mode must be dynamic|static|none, got {mode!r}")
+        if hysteresis < 1:
+            raise ValueError(f"loss_scale_hysteresis must be >= 1, got {hysteresis}")
+        self.mode = mode
+        self.loss_scale = float(init_scale) if mode != "none" else 1.0
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.clean_steps = 0  # clean steps in a row since the last change of scale
+        self.overflows_left = hysteresis  # overflows still tolerated before backing off
+        self.skipped_steps = 0
+
+    def backward(self, loss):
+        """Backward of loss * loss_scale: every gradient comes out multiplied by the scale."""
+        (loss * self.loss_scale).backward() if self.loss_scale != 1.0 else loss.backward()
+
+    def update(self, found_inf):
+        """After a step: count a skip and back off on overflow; grow after a run of clean steps."""
+        if found_inf:
+            self.skipped_steps += 1
+        if self.mode != "dynamic":
+            return
+        if found_inf:
+            self.clean_steps = 0
+            self.overflows_left = max(self.overflows_left - 1, 0)
+            if self.overflows_left == 0:
+                self.loss_scale *= self.backoff_factor
+        else:
+            self.clean_steps += 1
+            if self.clean_steps == self.growth_interval:
+                self.loss_scale *= self.growth_factor
+                self.clean_steps = 0
+                self.overflows_left = self.hysteresis
+
+    def state_dict(self):
+        return dict(loss_scale=self.loss_scale, clean_steps=self.clean_steps,
+                    overflows_left=self.overflows_left, skipped_steps=self.skipped_steps)
+
+    def load_state_dict(self, state):
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+# ---------------------------------------------------------------- the recipe: PRECISION, decided once
+
+PARAM_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+
+
+def recipe(cfg):
+    """The Recipe for cfg: the one place that reads precision, loss_scale* and fp8_*."""
+    scaling, static_scale = cfg.loss_scale, 2.0 ** 16
+    if scaling == "auto":  # FP16's range needs scaling; BF16's (FP32's exponent) does not
+        scaling = "dynamic" if cfg.precision == "fp16" else "none"
+    elif scaling not in ("dynamic", "none"):
+        scaling, static_scale = "static", float(cfg.loss_scale)
+    settings = None
+    if cfg.precision == "fp8":
+        settings = fp8.Settings(backend=cfg.fp8_backend, scaling=cfg.fp8_recipe, history=cfg.fp8_amax_history,
+                                margin=cfg.fp8_margin, grad=cfg.fp8_grad)
+    dtype = PARAM_DTYPE[cfg.precision]
+    return Recipe(name=cfg.precision, param_dtype=dtype, master_weights=dtype != torch.float32,
+                  loss_scaling=scaling, static_scale=static_scale, hysteresis=cfg.loss_scale_hysteresis,
+                  fp8=settings)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a PRECISION means for every other file. Built once by `recipe(cfg)`; nothing
+    else reads the precision keys of the config."""
+    name: str  # fp32|bf16|fp16|fp8, for the log
+    param_dtype: torch.dtype  # parameters, so activations and gradients too
+    master_weights: bool  # an FP32 master copy that AdamW updates (every 16-bit precision)
+    loss_scaling: str  # none|dynamic|static
+    static_scale: float  # the scale of loss_scaling=static
+    hysteresis: int  # overflows tolerated before a dynamic scale backs off
+    fp8: FP8Settings = None  # the FP8 Linears' settings, or None: plain Linears
+
+    @property
+    def element_bytes(self):
+        """Bytes per parameter, activation and gradient element."""
+        return torch.empty((), dtype=self.param_dtype).element_size()
+
+    def linear_factory(self):
+        """What model.GPT builds each Linear with."""
+        if self.fp8 is None:
+            return default_linear
+        if self.fp8.backend == "te":
+            return fp8_te.linear_factory(self.fp8)
+        return functools.partial(fp8_refined.FP8Linear, recipe=self.fp8.scaling, amax_history=self.fp8.history,
+                                 margin=self.fp8.margin, grad=self.fp8.grad)
+
+    def forward_context(self, model, micro_step=None):
+        """Entered around every forward of `model`, like torch.autocast. micro_step: its index in the
+        optimizer step (None outside one: evaluation, sampling). FP8: which FP8 weight each Linear uses
+        (fp8_refined.WEIGHT_MODES: quantized at micro-step 0 only), and TE's FP8 autocast (fp8_backend=te)."""
+        if self.fp8 is None:
+            return nullcontext()
+        mode = "fresh" if micro_step is None else "refresh" if micro_step == 0 else "reuse"
+        te_autocast = fp8_te.autocast(self.fp8) if self.fp8.backend == "te" else nullcontext()
+        return _all_of(fp8_refined.weight_copies(fp8.layers(model), mode), te_autocast)
+
+    def recompute_contexts(self, modules):
+        """(around a recompute unit's forward, around its re-run) for the unit made of `modules`: the
+        re-run uses the FP8 weight its forward used and records no amax (fp8_refined.Rerun); under TE
+        it re-enters TE's FP8 autocast with TE's recompute-phase flags (fp8_te.recompute_contexts)."""
+        if self.fp8 is None:
+            return nullcontext(), nullcontext()
+        rerun = fp8_refined.Rerun([m for module in modules for m in fp8.layers(module)])
+        if self.fp8.backend != "te":
+            return nullcontext(), rerun
+        around_forward, around_rerun = fp8_te.recompute_contexts(self.fp8)
+        return around_forward, _all_of(rerun, *around_rerun)
+
+    @property
+    def rerun_stops_early(self):
+        """May a recompute unit's re-run stop after the last tensor it saves? Not under Transformer
+        Engine, which restores a module's FP8 scales only when its forward returns (docs/recompute.md)."""
+        return self.fp8 is None or self.fp8.backend != "te"
+
+    def loss_scaler(self):
+        return LossScaler(self.loss_scaling, init_scale=self.static_scale, hysteresis=self.hysteresis)
+
+    def check_device(self, device):
+        """Raise ValueError where this recipe cannot run on `device` (FP8 needs its matmul)."""
+        if self.fp8 is not None and self.fp8.backend == "te":
+            fp8_te.check_available(device)
+        elif self.fp8 is not None and (why := fp8_gemm.fp8_matmul_error(device)):
+            raise ValueError(f"precision=fp8 with fp8_backend=native: {why}")
+
+
+@contextmanager
+def _all_of(*contexts):
+    """One context manager that enters `contexts` in order (and leaves them in reverse)."""
+    with ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
+
+
+# ---------------------------------------------------------------- the dtype table
+
+
+def dtype_row(name, dtype):
+    """Bits, exponent and mantissa widths, range and precision of one float dtype, from torch.finfo."""
+    fi = torch.finfo(dtype)
+    mantissa = round(-math.log2(fi.eps))  # eps = 2^-mantissa_bits
+    return dict(name=name, bits=fi.bits, exponent=fi.bits - 1 - mantissa, mantissa=mantissa,
+                max=fi.max, smallest_normal=fi.smallest_normal, eps=fi.eps)
+
+
+def dtype_table():
+    """The chapter's table, computed: FP32, FP16, BF16 and the two FP8 formats (where torch has them)."""
+    rows = [("FP32", torch.float32), ("FP16", torch.float16), ("BF16", torch.bfloat16),
+            ("FP8 E4M3", fp8.E4M3), ("FP8 E5M2", fp8.E5M2)]
+    return [dtype_row(name, dtype) for name, dtype in rows if dtype is not None]
