@@ -1,73 +1,21 @@
 """The built-in data and the batches: bytes in, (x, y) windows out.
 
 Chapter: none; it feeds every section. Read first: `load_tokens`, then `Batches`.
-
-A token is a byte (vocabulary 256, no tokenizer). With no --data the corpus is this
-Python's own standard library (*.py, site-packages excluded, about 31 MB), cached once
-as a flat file under data_cache/, so `make train` needs no download. A file is read with
-pread as windows are drawn (`FileTokens`), not memory-mapped: a file that another program
-truncates mid-run then gives a short read, which the run names in one line, where a mapped
-page past the new end would kill it with SIGBUS.
+A token is a byte (vocabulary 256, no tokenizer). With no --data the corpus is this Python's own
+standard library (*.py, about 31 MB), cached once under data_cache/: `make train` needs no
+download. How --data is read safely (regular files only, read as needed): guards/data_files.py.
 """
-import functools
 import hashlib
-import os
-import sysconfig
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from config import RunError, UsageError
+from config import UsageError
+from guards.data_files import file_tokens, host_memory_available, stdlib_files, text_files
 from guards.files import remove_stale_temps, write_atomically
 
 HERE = Path(__file__).resolve().parent
-
-
-@functools.cache  # listed once per process: the walk takes a second or two
-def stdlib_files():
-    """This Python's standard library .py files (site-packages excluded), sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return tuple(sorted(p for p in root.rglob("*.py")
-                        if "site-packages" not in p.relative_to(root).parts and p.is_file()))
-
-
-def host_memory_available():
-    """Bytes of memory this machine can still give (MemAvailable; all of it where that is unknown)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def text_files(path):
-    """The regular files of --data (a file, or a folder read recursively), each readable."""
-    p = Path(path)
-    try:
-        p.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        raise UsageError(f"--data={path}: no such file or folder") from None
-    except OSError as e:  # a name too long, a loop of links
-        raise UsageError(f"--data={path}: {e.strerror or e}") from None
-    if not p.is_file() and not p.is_dir():
-        raise UsageError(f"--data={path}: not a regular file or a folder (a pipe or a device cannot be read twice)")
-    files = [p] if p.is_file() else sorted(_files_below(p, path))
-    if not files:
-        raise UsageError(f"--data={path}: the folder holds no files")
-    for f in files:
-        if not os.access(f, os.R_OK):
-            raise UsageError(f"--data={path}: {f} cannot be read (permission denied)")
-    return files
-
-
-def _files_below(folder, path):
-    """The regular files below `folder`; a subfolder that cannot be listed is refused, as an
-    unreadable file is (rglob would skip it without a word)."""
-    def refuse(e):
-        raise UsageError(f"--data={path}: {e.filename} cannot be read ({e.strerror or e})")
-    for root, _, names in os.walk(folder, onerror=refuse, followlinks=True):
-        yield from (f for f in (Path(root) / n for n in names) if f.is_file())
 
 
 def load_tokens(data, cache_dir=HERE / "data_cache"):
@@ -80,7 +28,7 @@ def load_tokens(data, cache_dir=HERE / "data_cache"):
     if data:
         files = text_files(data)
         if len(files) == 1:
-            return _file_tokens(files[0])
+            return file_tokens(files[0])
         size, free = sum(f.stat().st_size for f in files), host_memory_available()
         if size > free // 2:  # the files' bytes and their concatenation are both in memory for a moment
             raise UsageError(f"--data={data}: {size / 2**30:.1f} GiB of files do not fit in the "
@@ -100,47 +48,7 @@ def load_tokens(data, cache_dir=HERE / "data_cache"):
             write_atomically(cache, lambda fh: fh.writelines(f.read_bytes() for f in files))
         except OSError as e:
             raise UsageError(f"cannot write the data cache {cache}: {e.strerror or e}") from None
-    return _file_tokens(cache)
-
-
-def _file_tokens(path):
-    try:
-        return FileTokens(open(path, "rb", buffering=0))  # noqa: SIM115 (open for the run's life)
-    except OSError as e:
-        raise UsageError(f"--data={path}: {e.strerror or e}") from None
-
-
-class FileTokens:
-    """The bytes of a file, as a uint8 array that reads only what is asked of it.
-
-    A slice is another FileTokens (nothing read); numpy reads one (np.asarray, np.stack) with
-    os.pread. A file that became shorter since it was opened (another program truncated it)
-    raises RunError with one line: a memory map would have died of SIGBUS instead."""
-
-    def __init__(self, fh, start=0, stop=None):
-        self.fh, self.start = fh, start
-        self.stop = os.fstat(fh.fileno()).st_size if stop is None else stop
-        self.path = fh.name
-
-    def __len__(self):
-        return self.stop - self.start
-
-    def __getitem__(self, index):
-        if not isinstance(index, slice) or index.step not in (None, 1):
-            raise TypeError("FileTokens takes a slice with step 1")
-        start, stop, _ = index.indices(len(self))
-        return FileTokens(self.fh, self.start + start, self.start + max(start, stop))
-
-    def __array__(self, dtype=None, copy=None):
-        try:
-            data = os.pread(self.fh.fileno(), len(self), self.start)
-        except OSError as e:
-            raise RunError(f"--data={self.path}: reading it failed mid-run: {e.strerror or e}") from None
-        if len(data) != len(self):
-            size = os.fstat(self.fh.fileno()).st_size
-            raise RunError(f"--data={self.path} changed while the run read it: it is {size:,} bytes now, was "
-                           f"{self.stop:,} or more (another program truncated it); stopping")
-        return np.frombuffer(data, dtype=np.uint8).astype(dtype or np.uint8)
+    return file_tokens(cache)
 
 
 def split_tokens(tokens, block_size, val_fraction=0.1):

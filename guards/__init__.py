@@ -7,6 +7,7 @@
   clean_end.py         how a run ends early and cleanly: divergence, Ctrl-C and SIGTERM, a
                        second run on one out_dir (Guard: all of it behind one name)
   files.py             atomic writes, the temporary files a killed run left, a folder probed
+  data_files.py        --data read safely: regular files only, read as needed (pread, not a map)
   snapshot_fields.py   every field of a snapshot checked, by the command line's own rules,
                        before any of it is used
   sharded_snapshot.py  ZeRO's slices and FSDP's shards gathered into DDP's snapshot format and

@@ -19,7 +19,8 @@ from guards import files
 from guards import snapshot_fields
 import config
 from config import UsageError
-from data import host_memory_available, load_tokens, split_tokens
+from data import load_tokens, split_tokens
+from guards.data_files import host_memory_available
 
 # K micro-step gradients, each 1/K of the step's, add up in FP32 at best (a 24-bit significand):
 # past 2^24 micro-steps each one is below half an FP32 ulp of the sum and adds nothing

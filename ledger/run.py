@@ -19,7 +19,7 @@ import checkpoint
 import flops
 import memory_ledger
 from config import UsageError
-from data import host_memory_available
+from guards.data_files import host_memory_available
 from guards.files import write_atomically
 
 MiB, GiB = 2 ** 20, 2 ** 30

@@ -179,4 +179,5 @@ def test_the_readmes_tables_are_the_counts():
     from tools import reading
     readme = (ROOT / "README.md").read_text()
     for name, table in (("reading paths", reading.table()), ("files", reading.files_table())):
-        assert table in readme, f"README.md's table of {name} is not what tools/reading.py counts now:\n{table}"
+        assert table in readme, f"README.md's table of {name} is not what tools/reading.py counts now " \
+                                f"(python3 tools/reading.py --readme writes it):\n{table}"

@@ -9,6 +9,7 @@ import torch
 
 import accumulate
 import data
+from guards import data_files
 import precision
 import snapshot
 import train
@@ -93,8 +94,8 @@ def test_interrupted_snapshot_write_leaves_previous_loadable(tmp_path, monkeypat
 
 def test_default_data_is_stdlib_bytes_cached_once(tmp_path):
     tokens = data.load_tokens("", cache_dir=tmp_path)
-    assert isinstance(tokens, data.FileTokens) and np.asarray(tokens[:10]).dtype == np.uint8  # read as needed
-    files = data.stdlib_files()
+    assert isinstance(tokens, data_files.FileTokens) and np.asarray(tokens[:10]).dtype == np.uint8  # read as needed
+    files = data_files.stdlib_files()
     assert len(tokens) == sum(f.stat().st_size for f in files) > 10_000_000
     assert all("site-packages" not in f.parts for f in files)
     assert np.asarray(tokens[:100]).tobytes() == files[0].read_bytes()[:100]

@@ -2,6 +2,7 @@
 
     python tools/reading.py            the table (markdown), in the README's reading order
     python tools/reading.py --check    also the budgets and the chase rule; exit 1 on a miss
+    python tools/reading.py --readme   write both tables into README.md, between their markers
 
 A tool, not a chapter file. Read `PATHS` first: per mechanism, the file, the definitions of its
 plain path in the order a reader takes them, its refinements (read after, each with one line on
@@ -196,12 +197,28 @@ def check():
     return problems
 
 
+MARKS = {"paths": table, "files": files_table}  # README.md: <!-- reading:NAME --> ... <!-- /reading:NAME -->
+
+
+def write_readme():
+    path = ROOT / "README.md"
+    text = path.read_text()
+    for name, make in MARKS.items():
+        start, end = f"<!-- reading:{name} -->", f"<!-- /reading:{name} -->"
+        before, _, rest = text.partition(start)
+        _, _, after = rest.partition(end)
+        text = f"{before}{start}\n{make()}\n{end}{after}"
+    path.write_text(text)
+
+
 def main(argv):
     try:
         print(table() + "\n\n" + files_table())
     except KeyError as e:  # a definition PATHS names that the code no longer has
         print(f"error: {e.args[0]}", file=sys.stderr)
         return 1
+    if "--readme" in argv:
+        write_readme()
     if "--check" in argv:
         problems = check()
         for line in problems:
