@@ -31,6 +31,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.attn, self.dropout = cfg.n_head, cfg.attn, cfg.dropout
         self.c_attn = linear_factory(cfg.n_embd, 3 * cfg.n_embd, cfg.bias)
         self.c_proj = linear_factory(cfg.n_embd, cfg.n_embd, cfg.bias)
+        self.c_proj.residual_projection = True  # it writes into the residual stream: GPT.__init__ scales its init
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.core_runner = run_directly  # checkpoint.py's selective policy replaces this
         if cfg.attn == "manual":
@@ -67,6 +68,7 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = linear_factory(cfg.n_embd, 4 * cfg.n_embd, cfg.bias)
         self.c_proj = linear_factory(4 * cfg.n_embd, cfg.n_embd, cfg.bias)
+        self.c_proj.residual_projection = True
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
@@ -102,13 +104,15 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(cfg, linear_factory) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.block_runner = run_blocks_in_order  # checkpoint.py replaces this
-        # the output head is wte itself (tied), so it is not a Linear from the factory
-        for name, p in self.named_parameters():
-            if p.dim() == 2:  # embeddings and Linear weights, whatever class the factory made
-                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)  # GPT-2's init, residual projections scaled
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
+        # GPT-2's init: N(0, 0.02) for embeddings and Linear weights (whatever class the factory made),
+        # 0.02 / sqrt(2L) for the projections into the residual stream, zero biases. The head is wte (tied)
+        for module in self.modules():
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if getattr(module, "residual_projection", False) else 0.02
+            for name, p in module.named_parameters(recurse=False):
+                if p.dim() == 2:
+                    nn.init.normal_(p, mean=0.0, std=std)
+                elif name == "bias":
+                    nn.init.zeros_(p)
 
     def num_params(self, non_embedding=True):
         n = sum(p.numel() for p in self.parameters())

@@ -210,3 +210,29 @@ def test_model_flops_formula_equals_counted_flops():
     with FlopCounterMode(display=False) as counter:
         model(x, x)[1].backward()
     assert counter.get_total_flops() == model.flops_per_token() * x.numel()
+
+
+def test_residual_projections_are_scaled_by_their_mark_not_their_name(monkeypatch):
+    # GPT-2's init scales the projections into the residual stream by 1/sqrt(2L): the module says it
+    # is one (residual_projection), so a learner's renamed MLP keeps the scaled init
+    import torch.nn as nn
+    import model
+
+    class RenamedMLP(nn.Module):
+        def __init__(self, cfg, linear_factory):
+            super().__init__()
+            self.up = linear_factory(cfg.n_embd, 4 * cfg.n_embd, cfg.bias)
+            self.down = linear_factory(4 * cfg.n_embd, cfg.n_embd, cfg.bias)
+            self.down.residual_projection = True
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.gelu(self.up(x)))
+    monkeypatch.setattr(model, "MLP", RenamedMLP)
+    torch.manual_seed(0)
+    gpt = model.GPT(Config(n_layer=8, n_embd=256, n_head=4, block_size=16))
+    scaled = 0.02 / (2 * 8) ** 0.5
+    for name, p in gpt.named_parameters():
+        if name.endswith(("down.weight", "attn.c_proj.weight")):
+            assert abs(p.std().item() / scaled - 1) < 0.05, f"{name}: std {p.std().item():.4f}, expected {scaled:.4f}"
+        elif name.endswith("up.weight"):
+            assert abs(p.std().item() / 0.02 - 1) < 0.05, f"{name}: std {p.std().item():.4f}, expected 0.02"
