@@ -68,6 +68,7 @@ class Config:
     shard: str = key("none", "under torchrun: DDP's whole copies (none), the optimizer states split over the ranks "
                              "(zero1), and the gradients (zero2), or everything by FSDP2 (fsdp)", SHARDS)
     # optimizer (precision.py's MasterWeightOptimizer)
+    optimizer: str = key("adamw", "the optimizer's update rule: a spec of precision.OPTIMIZERS")
     max_iters: int = key(500, "optimizer steps to train for", at_least=1)
     learning_rate: float = key(1e-3, "peak learning rate", at_least=0.0)
     min_lr: float = key(1e-4, "learning rate at the end of the cosine decay", at_least=0.0)

@@ -59,11 +59,11 @@ def no_sync(model):
 
 class ShardOptimizer(precision.MasterWeightOptimizer):
     """precision.MasterWeightOptimizer on this rank's FP32 shards (DTensors), which are the master
-    weights: AdamW steps them in place (no master copy, no copy down). master_weights says whether
+    weights: the optimizer steps them in place (no master copy, no copy down). master_weights says whether
     the run's precision has master weights, for the snapshot's format only."""
 
-    def __init__(self, params, master_weights, lr, **adamw):
-        super().__init__(params, False, lr, **adamw)  # the shards are fp32: they are the masters
+    def __init__(self, params, master_weights, spec, lr, **settings):
+        super().__init__(params, False, spec, lr, **settings)  # the shards are fp32: they are the masters
         self.master_weights = master_weights  # master_params is model_params: step copies nothing
 
     def global_norm(self, grads):

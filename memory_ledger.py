@@ -38,13 +38,13 @@ COMPONENTS = ("parameters", "buffers", "gradients", "master", "optimizer", "fp8_
 
 # ---------------------------------------------------------------- the chapter's closed forms, first
 
-def bytes_per_param_closed(precision_name):
-    """(parameters, gradients, master, optimizer) bytes per parameter with AdamW. FP32: 4 + 4 + 0 + 8;
-    mixed precision: 2 + 2 + 4 + 8, the ZeRO paper's 2 + 2 + K with K = 12. Both are 16: mixed
-    precision shrinks activations and time, not the states."""
+def bytes_per_param_closed(precision_name, moments=2):
+    """(parameters, gradients, master, optimizer) bytes per parameter, with an optimizer keeping `moments`
+    FP32 values per parameter (AdamW: m and v). FP32: 4 + 4 + 0 + 8; mixed precision: 2 + 2 + 4 + 8, the
+    ZeRO paper's 2 + 2 + K with K = 12. Both are 16: mixed precision shrinks activations and time, not states."""
     if precision_name == "fp32":
-        return 4, 4, 0, 8  # the parameters are the master copy; AdamW's m and v
-    return 2, 2, 4, 8  # 16-bit parameters and gradients; the FP32 master copy; FP32 m and v
+        return 4, 4, 0, 4 * moments  # the parameters are the master copy
+    return 2, 2, 4, 4 * moments  # 16-bit parameters and gradients; the FP32 master copy; FP32 moments
 
 
 def layer_activations_closed(s, b, h, a, e=2, dropout=True, sdpa=False):
@@ -276,8 +276,8 @@ def split_param_count(cfg):
 def state_bytes(cfg):
     """Bytes of the non-activation components (and the model's buffers) for cfg's precision: e*P
     parameters, e*P gradients (+4P FP32 sums with fp32_grad_accum), a 4P FP32 master copy (none for
-    fp32), 8P AdamW m and v (+ a 4-byte step count per tensor, which torch keeps on the CPU: not on
-    CUDA); buffers (the causal masks, FP8's amax history and scales); FP8 weight copies
+    fp32), the optimizer's state (optimizer_bytes: AdamW's m and v 8P, + a 4-byte step count per tensor on
+    the CPU); buffers (the causal masks, FP8's amax history and scales); FP8 weight copies
     (fp8_weight_copies). docs/ledger.md#states says each in full."""
     P, n_tensors = param_count(cfg)
     rec = precision.recipe(cfg)
@@ -285,8 +285,15 @@ def state_bytes(cfg):
     return dict(parameters=e * P,
                 gradients=e * P + (4 * P if (cfg.fp32_grad_accum and rec.master_weights) else 0),
                 master=4 * P if rec.master_weights else 0,
-                optimizer=8 * P + (0 if cfg.device == "cuda" else 4 * n_tensors),
+                optimizer=optimizer_bytes(cfg, P, n_tensors),
                 buffers=_total(cfg, "buffer"), fp8_weights=copies["persistent"], fp8_kept=copies["kept"])
+
+
+def optimizer_bytes(cfg, elements, tensors):
+    """The optimizer's state for `elements` parameters in `tensors` tensors, by its spec (precision.OPTIMIZERS):
+    FP32 per element (AdamW: m and v, 8 bytes), and its FP32 counts per tensor, which torch keeps on the CPU."""
+    spec = precision.OPTIMIZERS[cfg.optimizer]
+    return 4 * len(spec.per_element) * elements + (0 if cfg.device == "cuda" else 4 * len(spec.per_tensor) * tensors)
 
 
 def fp8_weight_copies(cfg):
@@ -357,7 +364,9 @@ def peak_walk(cfg, shard=1):
         per_param = per_param // shard + 2 * e * block_param_count(cfg, lambda info: info.get("matrix"))
     static = per_param + st["buffers"] + input_bytes(cfg)
     matrices = matrix_param_count(cfg)
-    return step.walk_step(MODEL, sizes(cfg), plan(cfg), static, [matrices, P - matrices],
+    spec = precision.OPTIMIZERS[cfg.optimizer]
+    temporaries = spec.step_temporaries([matrices, P - matrices], [cfg.weight_decay, 0.0])
+    return step.walk_step(MODEL, sizes(cfg), plan(cfg), static, temporaries,
                           4 * P if rec.master_weights else 0, bool(fp32_sums), shard)
 
 

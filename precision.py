@@ -20,6 +20,7 @@ import torch
 import fp8
 from backends import fp8_gemm, fp8_refined, fp8_te
 from fp8 import Settings as FP8Settings
+from config import UsageError
 from model import default_linear
 
 # ---------------------------------------------------------------- master weights + optimizer
@@ -35,19 +36,19 @@ def squared_sum(grads):
 
 
 class MasterWeightOptimizer:
-    """AdamW on an FP32 master copy of 16-bit model parameters. master_weights=False (fp32): the
-    master copy *is* the model's parameters (nothing to copy), so every precision runs the same
-    step. zero.py and fsdp.py override `decays` and `global_norm`."""
+    """An optimizer (AdamW unless OPTIMIZER names another spec) on an FP32 master copy of 16-bit model
+    parameters. master_weights=False (fp32): the master copy *is* the model's parameters (nothing to
+    copy), so every precision runs the same step. zero.py and fsdp.py override `decays` and `global_norm`."""
 
-    def __init__(self, params, master_weights, lr, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0):
-        self.grad_clip, self.master_weights = grad_clip, master_weights
+    def __init__(self, params, master_weights, spec, lr, weight_decay=0.1, grad_clip=1.0):
+        self.grad_clip, self.master_weights, self.spec = grad_clip, master_weights, spec
         self.model_params = [p for p in params if p.requires_grad]
         self.master_params = [p.detach().float().clone().requires_grad_(True) for p in self.model_params] \
             if master_weights else self.model_params
         decays = self.decays(self.model_params)
         groups = [dict(params=[m for m, d in zip(self.master_params, decays) if d], weight_decay=weight_decay),
                   dict(params=[m for m, d in zip(self.master_params, decays) if not d], weight_decay=0.0)]
-        self.adamw = torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)
+        self.torch_optimizer = spec.build(groups, lr)
 
     @staticmethod
     def decays(params):
@@ -55,11 +56,11 @@ class MasterWeightOptimizer:
         return [p.dim() >= 2 for p in params]
 
     def set_lr(self, lr):
-        for g in self.adamw.param_groups:
+        for g in self.torch_optimizer.param_groups:
             g["lr"] = lr
 
     def step(self, grads=None, loss_scale=1.0):
-        """Unscale, check for inf/NaN, clip, step AdamW on the master copy, copy down. grads: one per model
+        """Unscale, check for inf/NaN, clip, step the master copy, copy down. grads: one per model
         parameter (None in it: no gradient) or None (their .grad). Returns (stepped: False if inf/NaN, grad_norm)."""
         grads = [p.grad for p in self.model_params] if grads is None else grads
         # a 16-bit gradient is cast up to its fp32 master's dtype (a copy); an fp32 one is used as is
@@ -74,7 +75,7 @@ class MasterWeightOptimizer:
             torch._foreach_mul_(grads, self.grad_clip / (grad_norm + 1e-6))
         for m, g in zip(self.master_params, grads):
             m.grad = g
-        self.adamw.step()
+        self.torch_optimizer.step()
         if self.master_params is not self.model_params:
             with torch.no_grad():
                 # not .data: the copy bumps the version counter, which tells fp8.py an fp8 copy is stale
@@ -90,18 +91,48 @@ class MasterWeightOptimizer:
             p.grad = None
 
     def state_tensors(self):
-        """AdamW's state tensors (m, v and the step counts): the optimizer-state component."""
-        return [v for state in self.adamw.state.values() for v in state.values() if torch.is_tensor(v)]
+        """The optimizer's state tensors (AdamW: m, v and the step counts): the optimizer-state component."""
+        return [v for state in self.torch_optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
     def state_dict(self):
-        return dict(master_params=[m.detach() for m in self.master_params] if self.master_weights else [],
-                    adamw=self.adamw.state_dict())
+        return {"master_params": [m.detach() for m in self.master_params] if self.master_weights else [],
+                self.spec.name: self.torch_optimizer.state_dict()}
 
     def load_state_dict(self, state):
         with torch.no_grad():
             for m, saved in zip(self.master_params if self.master_weights else [], state["master_params"]):
                 m.copy_(saved)
-        self.adamw.load_state_dict(state["adamw"])
+        self.torch_optimizer.load_state_dict(state[self.spec.name])
+
+
+class AdamW:
+    """The optimizer's state, said once: what memory_ledger counts, ZeRO splits, a snapshot saves and its
+    checks read. OPTIMIZERS names the specs; another optimizer is one class like this one."""
+    name = "adamw"  # OPTIMIZER's value, and the key of its state in a snapshot
+    per_element = ("exp_avg", "exp_avg_sq")  # FP32 tensors shaped like each parameter: m and v
+    per_tensor = ("step",)  # one FP32 count per parameter tensor, which torch keeps on the CPU
+    nonnegative = ("exp_avg_sq",)  # v is a mean of squares
+
+    def __init__(self, cfg):
+        self.hyperparameters = dict(betas=(cfg.beta1, cfg.beta2))  # what each saved group must carry
+
+    def build(self, groups, lr):
+        return torch.optim.AdamW(groups, lr=lr, foreach=True, **self.hyperparameters)
+
+    @staticmethod
+    def step_temporaries(group_sizes, weight_decays):
+        """[(what, bytes)] the foreach step holds for a moment: sqrt(v) per group, FP32 (decay is in place)."""
+        return [(f"AdamW sqrt(v), group {i}", 4 * n) for i, n in enumerate(group_sizes)]
+
+
+OPTIMIZERS = {AdamW.name: AdamW}  # OPTIMIZER's choices
+
+
+def optimizer_spec(cfg):
+    """The spec cfg.optimizer names, or UsageError."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise UsageError(f"--optimizer={cfg.optimizer} is not one of {'|'.join(OPTIMIZERS)}")
+    return OPTIMIZERS[cfg.optimizer](cfg)
 
 
 # ---------------------------------------------------------------- loss scaling

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from config import RunError, UsageError
 from guards.files import write_atomically
 from guards.sharded_snapshot import whole_groups
-from guards.snapshot_fields import check_adamw_fits, validate
+from guards.snapshot_fields import check_optimizer_fits, validate
 
 FILE = "snapshot.pt"
 
@@ -75,7 +75,7 @@ def capture(cfg, model, parts, batches, step, device, world_size=1):
 
 def restore(snap, model, parts, batches, rank, world_size, device, scaler=True):
     """Load a snapshot into this rank's run; returns the step to continue from. The run's own
-    AdamW hyperparameters (betas, weight decay: its flags) apply; scaler=False keeps the run's
+    optimizer hyperparameters (AdamW's betas, weight decay: its flags) apply; scaler=False keeps the run's
     fresh loss scaler (a --loss_scale that differs from the snapshot's) instead of the saved one."""
     opt = parts.optimizer
     masters = snap["optimizer"]["master_params"]
@@ -83,11 +83,13 @@ def restore(snap, model, parts, batches, rank, world_size, device, scaler=True):
     if [tuple(m.shape) for m in masters] != [tuple(m.shape) for m in expected]:
         raise UsageError(f"--resume: the snapshot holds {len(masters)} master weights, this run has "
                          f"{len(expected)} (or their shapes differ)")
-    check_adamw_fits(snap["optimizer"]["adamw"], whole_groups(opt))  # zero.py's hold a slice, load the whole
+    if opt.spec.name not in snap["optimizer"]:
+        raise UsageError(f"--resume: the snapshot holds another optimizer's state, this run's is {opt.spec.name}")
+    check_optimizer_fits(snap["optimizer"][opt.spec.name], whole_groups(opt), opt.spec)  # zero's: a slice
     if len(snap["rng"]) != world_size:
         raise UsageError(f"--resume: the snapshot was written by {len(snap['rng'])} ranks, this run has "
                          f"{world_size}: each rank's data stream is in it")
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in parts.optimizer.adamw.param_groups]
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.torch_optimizer.param_groups]
     try:
         model.load_state_dict(snap["model"])
         parts.optimizer.load_state_dict(snap["optimizer"])
@@ -96,7 +98,7 @@ def restore(snap, model, parts, batches, rank, world_size, device, scaler=True):
         set_rng_state(rng, device)
     except (RuntimeError, ValueError, KeyError, TypeError) as e:  # a snapshot that does not fit this run
         raise UsageError(f"--resume: snapshot does not fit this run: {str(e).splitlines()[0]}") from None
-    for group, own in zip(parts.optimizer.adamw.param_groups, hyper):
+    for group, own in zip(opt.torch_optimizer.param_groups, hyper):
         group.update(own)
     if scaler:
         parts.scaler.load_state_dict(snap["scaler"])

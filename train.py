@@ -76,16 +76,17 @@ def build(cfg, device=None):
 
 
 def make_optimizer(cfg, model, recipe):
-    """The optimizer SHARD asks for: AdamW on an FP32 master copy of the whole model (none: DDP
-    keeps it on every rank), or of this rank's slice only (zero1, zero2: zero.py), or on this
-    rank's FP32 shards, which are the master weights (fsdp: fsdp.py)."""
-    adamw = dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
-                 grad_clip=cfg.grad_clip)
+    """The optimizer SHARD asks for, with the update rule OPTIMIZER names (precision.OPTIMIZERS): on an
+    FP32 master copy of the whole model (none: DDP keeps it on every rank), or of this rank's slice
+    only (zero1, zero2: zero.py), or on this rank's FP32 shards, which are the master weights (fsdp)."""
+    spec, settings = precision.optimizer_spec(cfg), dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                                         grad_clip=cfg.grad_clip)
     if cfg.shard in zero.STAGES:
-        return zero.ShardedOptimizer(model.parameters(), recipe.master_weights, zero.STAGES[cfg.shard], **adamw)
+        return zero.ShardedOptimizer(model.parameters(), recipe.master_weights, spec, zero.STAGES[cfg.shard],
+                                     **settings)
     if cfg.shard == "fsdp":
-        return fsdp.ShardOptimizer(model.parameters(), recipe.master_weights, **adamw)
-    return precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, **adamw)
+        return fsdp.ShardOptimizer(model.parameters(), recipe.master_weights, spec, **settings)
+    return precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, spec, **settings)
 
 
 # ---------------------------------------------------------------- the loop

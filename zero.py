@@ -91,12 +91,12 @@ class SliceOptimizer(precision.MasterWeightOptimizer):
 
 class ShardedOptimizer:
     """ZeRO-1 or ZeRO-2 (stage): precision.MasterWeightOptimizer's methods, its step run on my slice. model_params:
-    the whole model's (views of `flat`); master_params, adamw: my slice's (a piece per parameter it overlaps)."""
+    the whole model's (views of `flat`); master_params, torch_optimizer: my slice's (a piece per parameter)."""
 
-    def __init__(self, params, master_weights, stage, lr, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0):
+    def __init__(self, params, master_weights, spec, stage, lr, weight_decay=0.1, grad_clip=1.0):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}")
-        self.stage, self.master_weights = stage, master_weights
+        self.stage, self.master_weights, self.spec = stage, master_weights, spec
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.model_params = [p for p in params if p.requires_grad]
         self.shards = Shards([p.numel() for p in self.model_params], self.world, self.rank)
@@ -106,9 +106,9 @@ class ShardedOptimizer:
         # one leaf view of my slice per parameter it overlaps: the slice optimizer's "model parameters"
         views = [piece.of_slice(self.my_slice).detach().requires_grad_(True) for piece in self.pieces]
         decays = precision.MasterWeightOptimizer.decays(self.model_params)
-        self.slice = SliceOptimizer(views, [decays[piece.index] for piece in self.pieces], master_weights, lr,
-                                    weight_decay, betas, grad_clip)
-        self.master_params, self.adamw = self.slice.master_params, self.slice.adamw
+        self.slice = SliceOptimizer(views, [decays[piece.index] for piece in self.pieces], master_weights, spec, lr,
+                                    weight_decay, grad_clip)
+        self.master_params, self.torch_optimizer = self.slice.master_params, self.slice.torch_optimizer
         self.grad_slice = None  # this step's reduced gradient slice, until zero_grad (the ledger reads it)
 
     def set_lr(self, lr):

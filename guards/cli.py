@@ -8,6 +8,7 @@ import sys
 from dataclasses import fields
 
 import checkpoint
+import precision
 from config import NUMBER, Config, RunError, UsageError, check_keys, validate
 from guards import clean_end
 from guards.preflight import torch_floor_error
@@ -36,7 +37,7 @@ def shown(text):
 
 def parse_args(argv, *extra):
     """Config from ["--key=value", ...]; a bare --flag sets a bool to true. Every program parses here:
-    config.validate, then the rules the recompute policy's class holds (checkpoint.policy).
+    config.validate, then the rules the recompute policy's class and the optimizer's spec hold.
 
     `extra`: more dataclasses of keys (a tool's own options, e.g. the ledger's --tp): their
     flags are parsed in the same pass and one instance of each is returned after the Config."""
@@ -58,6 +59,7 @@ def parse_args(argv, *extra):
         values[cls][name] = _convert(f, text)
     cfg = validate(Config(**values[Config]))
     checkpoint.policy(cfg)
+    precision.optimizer_spec(cfg)
     if not extra:
         return cfg
     tools = [cls(**values[cls]) for cls in extra]
@@ -69,7 +71,7 @@ def parse_args(argv, *extra):
 def usage(program="train.py", *extra):
     """The --help text: every key with its default (or choices) and meaning; CKPT's choices are
     checkpoint.POLICIES' names."""
-    choices = dict(ckpt=tuple(checkpoint.POLICIES))
+    choices = dict(ckpt=tuple(checkpoint.POLICIES), optimizer=tuple(precision.OPTIMIZERS))
     lines = [f"usage: python {program} [--key=value ...]", ""]
     for cls in (*extra, Config):
         for f in fields(cls):

@@ -1,14 +1,15 @@
 """Snapshots of sharded state in DDP's format, so one resumes under DDP, ZeRO-1, ZeRO-2 or FSDP alike.
 
 Not read to learn the chapter: zero.py's and fsdp.py's optimizers delegate their state_dict() and
-load_state_dict() here, and fsdp.py's model its state dict. Read first: `adamw_order` and `whole_groups`
+load_state_dict() here, and fsdp.py's model its state dict. Read first: `optimizer_order` and `whole_groups`
 (how a whole-model optimizer numbers its parameters), then `gather_slice` and `cut_slice` (ZeRO), then
 `gather_shards`, `cut_shards` and `whole_model_state` (FSDP).
 
 The format is precision.MasterWeightOptimizer.state_dict()'s on one DDP rank:
   master_params  one FP32 tensor per model parameter, in the model's order ([] without master weights);
-  adamw          AdamW's state dict over the whole model: two groups (weight decay, none), the ids
-                 numbering the parameters decayed first, each group in the model's order.
+  <spec.name>    the optimizer's state dict over the whole model ("adamw" for AdamW, precision.OPTIMIZERS):
+                 two groups (weight decay, none), the ids numbering the parameters decayed first, each group
+                 in the model's order; per parameter the spec's per-element tensors and per-tensor counts.
 Gathering is a collective (every rank calls it); cutting needs no communication (each rank cuts its own).
 """
 import torch
@@ -21,23 +22,20 @@ except ImportError:
 
 import precision
 
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element states; its "step" is one count per parameter
-
-
-def adamw_order(params):
-    """Indices of the model's `params` in a whole-model optimizer's AdamW ids: the decayed ones first."""
+def optimizer_order(params):
+    """Indices of the model's `params` in a whole-model optimizer's ids: the decayed ones first."""
     decays = precision.MasterWeightOptimizer.decays(params)
     return [i for i, d in enumerate(decays) if d] + [i for i, d in enumerate(decays) if not d]
 
 
 def whole_groups(opt):
-    """The AdamW groups (weight decay, none) of a whole-model optimizer: what a snapshot's optimizer state
-    must fit (snapshot_fields.check_adamw_fits), whatever this run shards. DDP's and FSDP's optimizer
-    have them (FSDP's shards have the whole shapes); ZeRO's AdamW holds pieces: rebuilt over the model."""
+    """The groups (weight decay, none) of a whole-model optimizer: what a snapshot's optimizer state
+    must fit (snapshot_fields.check_optimizer_fits), whatever this run shards. DDP's and FSDP's optimizer
+    have them (FSDP's shards have the whole shapes); ZeRO's holds pieces: rebuilt over the model."""
     if isinstance(opt, precision.MasterWeightOptimizer):
-        return opt.adamw.param_groups
+        return opt.torch_optimizer.param_groups
     params = opt.model_params
-    order, n_decay = adamw_order(params), sum(precision.MasterWeightOptimizer.decays(params))
+    order, n_decay = optimizer_order(params), sum(precision.MasterWeightOptimizer.decays(params))
     return [dict(params=[params[i] for i in order[:n_decay]]), dict(params=[params[i] for i in order[n_decay:]])]
 
 
@@ -45,9 +43,9 @@ def _hyperparameters(group):
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def _adamw_ids(adamw):
-    """AdamW's parameters in the order its state dict numbers them."""
-    return [p for group in adamw.param_groups for p in group["params"]]
+def _ids(torch_optimizer):
+    """The optimizer's parameters in the order its state dict numbers them."""
+    return [p for group in torch_optimizer.param_groups for p in group["params"]]
 
 
 # ---------------------------------------------------------------- ZeRO: one flat slice per rank
@@ -75,26 +73,26 @@ def gather_slice(opt):
     """zero.ShardedOptimizer.state_dict(): the whole-model state from every rank's slice. Every rank
     calls it (a collective); rank 0 gets the state, the others None."""
     masters = _gather_flat(opt, opt.master_params)  # the slice's FP32 master, or its FP32 parameters
-    state = opt.adamw.state
-    moments = {}
-    for name in MOMENTS:  # a piece AdamW has not stepped yet: zeros
+    state, spec = opt.torch_optimizer.state, opt.spec
+    per_element = {}
+    for name in spec.per_element:  # a piece the optimizer has not stepped yet: zeros
         by_piece = [state[m][name] if m in state else torch.zeros(piece.length, device=opt.flat.device)
                     for m, piece in zip(opt.master_params, opt.pieces)]
-        moments[name] = _gather_flat(opt, by_piece)
-    steps = [state[m]["step"] for m in opt.master_params if m in state]
+        per_element[name] = _gather_flat(opt, by_piece)
+    stepped = [state[m] for m in opt.master_params if m in state]
     if opt.rank != 0:
         return None
-    order = adamw_order(opt.model_params)
-    adamw = dict(state={}, param_groups=[])
-    if steps:  # AdamW makes its states at its first step: before it there are none to keep
-        adamw["state"] = {k: dict(step=steps[0].clone(), **{name: moments[name][i] for name in MOMENTS})
-                          for k, i in enumerate(order)}
+    whole = dict(state={}, param_groups=[])
+    if stepped:  # the optimizer makes its states at its first step: before it there are none to keep
+        counts = {name: stepped[0][name].clone() for name in spec.per_tensor}  # one count, alike on every piece
+        whole["state"] = {k: dict(counts, **{name: per_element[name][i] for name in spec.per_element})
+                          for k, i in enumerate(optimizer_order(opt.model_params))}
     first = 0
-    for group, whole in zip(opt.adamw.param_groups, whole_groups(opt)):
-        n = len(whole["params"])
-        adamw["param_groups"].append(dict(_hyperparameters(group), params=list(range(first, first + n))))
+    for group, whole_group in zip(opt.torch_optimizer.param_groups, whole_groups(opt)):
+        n = len(whole_group["params"])
+        whole["param_groups"].append(dict(_hyperparameters(group), params=list(range(first, first + n))))
         first += n
-    return dict(master_params=masters if opt.master_weights else [], adamw=adamw)
+    return {"master_params": masters if opt.master_weights else [], spec.name: whole}
 
 
 def cut_slice(opt, state):
@@ -102,19 +100,20 @@ def cut_slice(opt, state):
     with torch.no_grad():
         for m, piece in zip(opt.master_params if opt.master_weights else [], opt.pieces):
             m.copy_(_of_param(state["master_params"][piece.index], piece))
-    saved = state["adamw"]
-    key = {i: k for k, i in enumerate(adamw_order(opt.model_params))}  # parameter index -> saved state key
-    piece_of = dict(zip(opt.master_params, opt.pieces))  # my AdamW's tensors -> the pieces they step
+    saved = state[opt.spec.name]
+    key = {i: k for k, i in enumerate(optimizer_order(opt.model_params))}  # parameter index -> saved state key
+    piece_of = dict(zip(opt.master_params, opt.pieces))  # my optimizer's tensors -> the pieces they step
     cut = {}
-    for k, m in enumerate(_adamw_ids(opt.adamw)):
+    for k, m in enumerate(_ids(opt.torch_optimizer)):
         piece = piece_of[m]
         entry = saved["state"].get(key[piece.index])
         if entry is not None:
-            cut[k] = {name: v.clone() if name == "step" else _of_param(v, piece).clone() for name, v in entry.items()}
-    # the saved groups' hyperparameters, with the ids of my slice's AdamW
+            cut[k] = {name: v.clone() if name in opt.spec.per_tensor else _of_param(v, piece).clone()
+                      for name, v in entry.items()}
+    # the saved groups' hyperparameters, with the ids of my slice's optimizer
     groups = [dict(g, params=own["params"]) for g, own in
-              zip(saved["param_groups"], opt.adamw.state_dict()["param_groups"])]
-    opt.adamw.load_state_dict(dict(state=cut, param_groups=groups))
+              zip(saved["param_groups"], opt.torch_optimizer.state_dict()["param_groups"])]
+    opt.torch_optimizer.load_state_dict(dict(state=cut, param_groups=groups))
 
 
 # ---------------------------------------------------------------- FSDP: a DTensor shard of every parameter
@@ -134,12 +133,12 @@ def _shard_like(whole, param):
 
 def gather_shards(opt):
     """fsdp.ShardOptimizer.state_dict() (a collective: every rank calls it and gets it): the FP32 shards
-    gathered as the master weights, AdamW's moments gathered. AdamW's ids already are a whole model's:
+    gathered as the master weights, the optimizer's states gathered. Its ids already are a whole model's:
     it steps every parameter's shard."""
-    adamw = opt.adamw.state_dict()
-    adamw["state"] = {k: {name: _whole(v) for name, v in entry.items()} for k, entry in adamw["state"].items()}
+    whole = opt.torch_optimizer.state_dict()
+    whole["state"] = {k: {name: _whole(v) for name, v in entry.items()} for k, entry in whole["state"].items()}
     masters = [_whole(p).float() for p in opt.model_params] if opt.master_weights else []
-    return dict(master_params=masters, adamw=adamw)
+    return {"master_params": masters, opt.spec.name: whole}
 
 
 def cut_shards(opt, state):
@@ -147,11 +146,11 @@ def cut_shards(opt, state):
     with torch.no_grad():
         for p, saved in zip(opt.model_params if opt.master_weights else [], state["master_params"]):
             p.copy_(_shard_like(saved, p))  # exact fp32: the 16-bit model state dict was not
-    ids = _adamw_ids(opt.adamw)
-    saved = state["adamw"]
-    cut = {k: {name: _shard_like(v, ids[k]) if name != "step" else v for name, v in entry.items()}
+    ids = _ids(opt.torch_optimizer)
+    saved = state[opt.spec.name]
+    cut = {k: {name: _shard_like(v, ids[k]) if name not in opt.spec.per_tensor else v for name, v in entry.items()}
            for k, entry in saved["state"].items()}
-    opt.adamw.load_state_dict(dict(state=cut, param_groups=saved["param_groups"]))
+    opt.torch_optimizer.load_state_dict(dict(state=cut, param_groups=saved["param_groups"]))
 
 
 def whole_model_state(model, dtype):

@@ -2,7 +2,7 @@
 
 Chapter: none; snapshot.py reads a file, this says whether what it read is a snapshot a run
 can continue. Read first: `validate` (called by snapshot.read on everything that loaded),
-then `check_same_model` and `check_adamw_fits` (what needs this run's config or model).
+then `check_same_model` and `check_optimizer_fits` (what needs this run's config or model).
 
 A snapshot is loaded with weights_only=True, so it cannot run code, but it can still carry
 any value: a string where AdamW's betas go, a negative step count, a moment of another
@@ -14,6 +14,7 @@ import math
 
 import torch
 
+import precision
 from config import FP32_MAX, Config, UsageError, validate as validate_config
 
 # the keys that must agree between a snapshot and the run that resumes from (or samples) it
@@ -45,7 +46,11 @@ def validate(state, path):
     need(isinstance(masters, list) and all(torch.is_tensor(m) and m.dtype == torch.float32 for m in masters),
          "no list of FP32 master_params")
     need(all(bool(torch.isfinite(m).all()) for m in masters), "a master weight holds inf or NaN")
-    _check_adamw(state["optimizer"].get("adamw"), cfg, state["step"], need)
+    try:
+        spec = precision.optimizer_spec(cfg)
+    except UsageError as e:
+        need(False, f"its config's optimizer: {e}")
+    _check_optimizer(state["optimizer"].get(spec.name), spec, state["step"], need)
     scaler = state["scaler"]
     need(sorted(scaler) == sorted(SCALER_KEYS),
          f"the loss scaler's state has {sorted(scaler)}, not {list(SCALER_KEYS)}")
@@ -83,35 +88,41 @@ def _check_config(saved, need):
         need(False, f"its config: {e}")
 
 
-def _check_adamw(adamw, cfg, step, need):
-    """AdamW's state_dict: its groups carry the config's betas, its moments are finite, its step counts
-    are whole numbers no larger than the snapshot's step (a skipped step does not count)."""
-    need(isinstance(adamw, dict) and isinstance(adamw.get("state"), dict)
-         and isinstance(adamw.get("param_groups"), list), "no AdamW state")
+def _check_optimizer(saved, spec, step, need):
+    """The optimizer's state_dict, by its spec (precision.OPTIMIZERS): its groups carry the config's
+    hyperparameters (AdamW's betas), its per-element tensors are finite (and >= 0 where the spec says),
+    its per-tensor counts are whole numbers no larger than the snapshot's step (a skipped step does not count)."""
+    who = type(spec).__name__
+    need(isinstance(saved, dict) and isinstance(saved.get("state"), dict)
+         and isinstance(saved.get("param_groups"), list), f"no {who} state")
     ids = []
-    for i, group in enumerate(adamw["param_groups"]):
+    for i, group in enumerate(saved["param_groups"]):
         need(isinstance(group, dict) and isinstance(group.get("params"), list)
-             and all(type(p) is int for p in group["params"]), f"AdamW group {i} has no list of parameter ids")
+             and all(type(p) is int for p in group["params"]), f"{who} group {i} has no list of parameter ids")
         ids += group["params"]
-        betas = group.get("betas")
-        need(isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_number(b) for b in betas)
-             and tuple(betas) == (cfg.beta1, cfg.beta2),
-             f"AdamW group {i} has betas={betas!r}, its config beta1, beta2 = {cfg.beta1}, {cfg.beta2}")
-        for name in ("lr", "eps", "weight_decay"):
-            need(_number(group.get(name)) and group[name] >= 0, f"AdamW group {i} has {name}={group.get(name)!r}")
-    need(len(set(ids)) == len(ids), "AdamW's groups share a parameter id")
-    for pid, entry in adamw["state"].items():
-        need(pid in ids and isinstance(entry, dict) and sorted(entry) == ["exp_avg", "exp_avg_sq", "step"],
-             f"AdamW state {pid!r} is not a parameter's step, exp_avg and exp_avg_sq")
-        count = entry["step"]
-        count = count.item() if torch.is_tensor(count) and count.numel() == 1 and count.is_floating_point() else count
-        need(_number(count) and count == int(count) and 0 <= count <= step,
-             f"AdamW state {pid}: step={entry['step']!r} is not a whole number in [0, {step}]")
-        for name in ("exp_avg", "exp_avg_sq"):
+        for name, value in spec.hyperparameters.items():
+            got = group.get(name)
+            same = tuple(got) == tuple(value) if isinstance(value, tuple) and isinstance(got, (tuple, list)) \
+                else got == value
+            need(same, f"{who} group {i} has {name}={got!r}, its config's is {value!r}")
+        for name in ("lr", "weight_decay"):
+            need(_number(group.get(name)) and group[name] >= 0, f"{who} group {i} has {name}={group.get(name)!r}")
+    need(len(set(ids)) == len(ids), f"{who}'s groups share a parameter id")
+    keys = sorted(spec.per_element + spec.per_tensor)
+    for pid, entry in saved["state"].items():
+        need(pid in ids and isinstance(entry, dict) and sorted(entry) == keys,
+             f"{who} state {pid!r} is not a parameter's {', '.join(keys)}")
+        for name in spec.per_tensor:
+            count = entry[name]
+            count = count.item() if torch.is_tensor(count) and count.numel() == 1 and count.is_floating_point() \
+                else count
+            need(_number(count) and count == int(count) and 0 <= count <= step,
+                 f"{who} state {pid}: {name}={entry[name]!r} is not a whole number in [0, {step}]")
+        for name in spec.per_element:
             t = entry[name]
             need(torch.is_tensor(t) and t.is_floating_point() and bool(torch.isfinite(t).all()),
-                 f"AdamW state {pid}: {name} is not a finite float tensor")
-        need(bool((entry["exp_avg_sq"] >= 0).all()), f"AdamW state {pid}: exp_avg_sq is negative")
+                 f"{who} state {pid}: {name} is not a finite float tensor")
+            need(name not in spec.nonnegative or bool((t >= 0).all()), f"{who} state {pid}: {name} is negative")
 
 
 def saved_config(state):
@@ -137,16 +148,17 @@ def check_same_model(state, cfg, fp8, path):
                          f"(or another value to change it)")
 
 
-def check_adamw_fits(saved, live):
-    """Raise UsageError unless the saved AdamW state has these param groups (a whole-model AdamW's)
-    and its moments the shapes of the parameters they belong to (AdamW checks neither before a step)."""
+def check_optimizer_fits(saved, live, spec):
+    """Raise UsageError unless the saved optimizer state has these param groups (a whole-model optimizer's)
+    and its per-element tensors the shapes of the parameters they belong to (torch checks neither before
+    a step)."""
     sizes, own = [len(g["params"]) for g in saved["param_groups"]], [len(g["params"]) for g in live]
     if sizes != own:
-        raise UsageError(f"--resume: the snapshot's AdamW groups hold {sizes} parameters, this run's {own}")
+        raise UsageError(f"--resume: the snapshot's {spec.name} groups hold {sizes} parameters, this run's {own}")
     for group, own in zip(saved["param_groups"], live):
         for pid, param in zip(group["params"], own["params"]):
             entry = saved["state"].get(pid, {})
-            for name in ("exp_avg", "exp_avg_sq"):
+            for name in spec.per_element:
                 if name in entry and tuple(entry[name].shape) != tuple(param.shape):
-                    raise UsageError(f"--resume: the snapshot's AdamW {name} of parameter {pid} has shape "
+                    raise UsageError(f"--resume: the snapshot's {spec.name} {name} of parameter {pid} has shape "
                                      f"{tuple(entry[name].shape)}, the parameter {tuple(param.shape)}")

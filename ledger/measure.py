@@ -422,7 +422,7 @@ def measure(model, parts, batch, device):
                                             device)
         tracker.start_phase(name)
 
-    adamw_step = opt.adamw.step
+    adamw_step = opt.torch_optimizer.step
 
     def read_step_gradients(*args, **kwargs):
         # the gradients alive while AdamW steps: .grad, a ZeRO rank's reduced slice, the FP32 sums
@@ -430,7 +430,7 @@ def measure(model, parts, batch, device):
         held = [p.grad for p in params] + [getattr(opt, "grad_slice", None)] + (parts.grad_buffers or [])
         out["step_gradients"] = storage_bytes([t for t in held if t is not None], device)
         return adamw_step(*args, **kwargs)
-    opt.adamw.step = read_step_gradients
+    opt.torch_optimizer.step = read_step_gradients
     try:
         with tracker, saved, phases(model, parts, observe):
             tracker.adopt(static + (parts.grad_buffers or []) + list(batch))
@@ -439,7 +439,7 @@ def measure(model, parts, batch, device):
             accumulate.accumulation_step(model, parts, [batch])
             phase["end"] = tracker.read()
     finally:
-        del opt.adamw.step  # the instance attribute goes: AdamW's own step again
+        del opt.torch_optimizer.step  # the instance attribute goes: the optimizer's own step again
         hook.remove()
         module_path.remove()
     out["phase"] = dict(before=before, **phase)

@@ -95,9 +95,11 @@ def closed_form_rows(cfg):
     e, sbh, sb = rec.element_bytes, z.bsh, z.b * z.s
     P, n_tensors = ml.param_count(cfg)
     st = ml.state_bytes(cfg)
-    per = ml.bytes_per_param_closed(rec.name)
+    spec = precision.OPTIMIZERS[cfg.optimizer]
+    per = ml.bytes_per_param_closed(rec.name, len(spec.per_element))
     described = st["parameters"] + st["gradients"] + st["master"] + st["optimizer"]
-    differences = [("AdamW's step count: an FP32 scalar per tensor, kept on the CPU", 4 * n_tensors * (not z.cuda)),
+    counts = len(spec.per_tensor) * 4 * n_tensors * (not z.cuda)
+    differences = [(f"{spec.name}'s per-tensor counts ({', '.join(spec.per_tensor)}): FP32, kept on the CPU", counts),
                    ("the FP32 gradient sums (fp32_grad_accum)", st["gradients"] - per[1] * P)]
     rows = [_row("model states", f"{sum(per)} bytes/parameter ({' + '.join(map(str, per))}) x P",
                  sum(per) * P, described, differences)]

@@ -81,7 +81,7 @@ class Report:
         ms = 1000 * dt / (self.tokens_since // self.tokens_per_step)
         scaler = self.parts.scaler
         self.t_last, self.tokens_since = time.perf_counter(), 0
-        return (f"step {step + 1:5d} | loss {loss:.4f} | lr {self.parts.optimizer.adamw.param_groups[0]['lr']:.2e} | {ms:7.1f} ms/step"
+        return (f"step {step + 1:5d} | loss {loss:.4f} | lr {self.parts.optimizer.torch_optimizer.param_groups[0]['lr']:.2e} | {ms:7.1f} ms/step"
                 f" | {tok_s / 1e3:7.1f}k tok/s | MFU {pct(mfu)} HFU {pct(hfu)} | mem {now(self.device)[0]}"
                 f" | scale {scaler.loss_scale:g} skipped {scaler.skipped_steps}")
 

@@ -71,11 +71,11 @@ def rank_states(cfg, shard, world, rank):
     shapes = param_shapes(cfg)
     sizes = [math.prod(s) for s in shapes]
     P = sum(sizes)
-    step_counts = 0 if cfg.device == "cuda" else 4  # torch keeps AdamW's FP32 `step` on the CPU
+    states = lambda elements, tensors: ml.optimizer_bytes(cfg, elements, tensors)  # noqa: E731  (the spec's)
     sums = cfg.fp32_grad_accum and master  # FP32 sums: .grad is added into them and released each micro-step
     whole_grad = 4 * P if sums else e * P  # what the micro-steps leave behind on every rank
     if shard == "none":
-        return dict(parameters=e * P, master=4 * P if master else 0, optimizer=8 * P + step_counts * len(sizes),
+        return dict(parameters=e * P, master=4 * P if master else 0, optimizer=states(P, len(sizes)),
                     step_gradients=whole_grad, padding=0)
     if shard in zero.STAGES:
         shards = zero.Shards(sizes, world, rank)
@@ -83,7 +83,7 @@ def rank_states(cfg, shard, world, rank):
         real = sum(n for *_, n in pieces)  # elements of parameters in my slice (the padding is none's)
         keeps_whole = zero.STAGES[shard] == 1 or sums  # ZeRO-1's .grad, or the FP32 sums: both whole
         return dict(parameters=e * (P + shards.padding), master=4 * real if master else 0,
-                    optimizer=8 * real + step_counts * len(pieces),
+                    optimizer=states(real, len(pieces)),
                     step_gradients=(4 if sums else e) * shards.size + (whole_grad if keeps_whole else 0),
                     padding=shards.padding)
     if shard == "fsdp":
@@ -95,6 +95,6 @@ def rank_states(cfg, shard, world, rank):
         rest = [n // s[0] for n, s in zip(sizes, shapes)]
         padded = fsdp_padded(shapes, world)
         mine = sum(max(0, min(r, s[0] - rank * r)) * k for r, s, k in zip(rows, shapes, rest))
-        return dict(parameters=4 * padded, master=0, optimizer=8 * mine + step_counts * len(shapes),
+        return dict(parameters=4 * padded, master=0, optimizer=states(mine, len(shapes)),
                     step_gradients=4 * padded, padding=world * padded - P)
     raise ValueError(f"no per-rank formula for shard={shard}")

@@ -73,15 +73,15 @@ def _blocks(g, block, unit):
     return run
 
 
-def walk_step(model, sizes, plan, static, groups, master_grads, fp32_sums, shard=1):
+def walk_step(model, sizes, plan, static, temporaries, master_grads, fp32_sums, shard=1):
     """Walk one steady-state micro-step and its optimizer step; returns the Walk (peak, where, parts).
 
-    static: bytes alive throughout (states, buffers, the batch). groups: AdamW's parameter-group
-    sizes (foreach AdamW makes one FP32 sqrt(v) temporary per group). master_grads: bytes of the
-    FP32 copies of the 16-bit gradients the optimizer step makes (4 per parameter; 0 for fp32).
-    fp32_sums: with FP32 accumulation buffers those copies are made right after backward
-    instead, added into the buffers and freed with the 16-bit .grad (accumulation_step).
-    shard: ZeRO-3 over that many ranks (every parameter gradient / shard)."""
+    static: bytes alive throughout (states, buffers, the batch). temporaries: [(what, bytes)] the
+    optimizer's step holds for a moment, one after another (the spec's step_temporaries: foreach AdamW's
+    sqrt(v) per group). master_grads: bytes of the FP32 copies of the 16-bit gradients the optimizer step
+    makes (4 per parameter; 0 for fp32). fp32_sums: with FP32 accumulation buffers those copies are made
+    right after backward instead, added into the buffers and freed with the 16-bit .grad
+    (accumulation_step). shard: ZeRO-3 over that many ranks (every parameter gradient / shard)."""
     walk = Walk(static, shard)
     g = Ops(walk, sizes)
     loss = forward(g, model, plan)
@@ -98,25 +98,25 @@ def walk_step(model, sizes, plan, static, groups, master_grads, fp32_sums, shard
         g.grads.clear()
         del as_fp32
     running = g.new("the step's running mean loss", "running loss", 4)  # accumulate.py's total_loss
-    _optimizer_step(g, groups, master_grads, fp32_sums, shard)
+    _optimizer_step(g, temporaries, master_grads, fp32_sums, shard)
     del loss, running
     g.mark("optimizer step done")
     return walk
 
 
-def _optimizer_step(g, groups, master_grads, fp32_sums, shard):
+def _optimizer_step(g, temporaries, master_grads, fp32_sums, shard):
     """accumulate.optimizer_step: the kept FP8 weights released (the weights are about to change),
     then precision.MasterWeightOptimizer.step: FP32 copies of the gradients (16-bit precisions),
-    then torch's foreach AdamW, whose sqrt(v) is an FP32 temporary the size of each group; then
-    zero_grad frees every gradient (and the step's last reference to the loss goes with it)."""
+    then the optimizer's foreach step with its temporaries; then zero_grad frees every gradient
+    (and the step's last reference to the loss goes with it)."""
     if g.kept:
         g.mark("FP8 weight copies released")
         g.kept.clear()
     master = None
     if master_grads and not fp32_sums:  # the FP32 buffers are the optimizer's gradients: no copy at the step
         master = g.new("optimizer step: FP32 master gradients", "master grads", master_grads // shard)
-    for group, count in enumerate(groups):
-        sqrt_v = g.new(f"optimizer step: AdamW sqrt(v), group {group}", "sqrt v", 4 * count // shard)
-        del sqrt_v
+    for what, nbytes in temporaries:
+        temporary = g.new(f"optimizer step: {what}", what, nbytes // shard)
+        del temporary
     g.grads.clear()
     del master

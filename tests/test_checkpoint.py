@@ -307,7 +307,8 @@ def test_accumulation_steps_equal_none(precision_name, policy):
 
     def run(policy):
         model = make_model(policy, dtype=recipe.param_dtype, dropout=0.1)
-        opt = precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, lr=1e-2)
+        opt = precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, precision.AdamW(Config()),
+                                                 lr=1e-2)
         buffers = accumulate.fp32_grad_buffers(model.parameters()) if recipe.master_weights else None
         parts = accumulate.StepParts(recipe, recipe.loss_scaler(), opt, buffers)
         torch.manual_seed(5)
@@ -331,7 +332,8 @@ def test_ddp_no_sync_accumulation_equals_none():
             model = make_model(policy)
             ddp = torch.nn.parallel.DistributedDataParallel(model)
             recipe = precision.recipe(Config(precision="fp32"))
-            opt = precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, lr=1e-2)
+            opt = precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, precision.AdamW(Config()),
+                                                 lr=1e-2)
             parts = accumulate.StepParts(recipe, recipe.loss_scaler(), opt)
             loss = accumulate.accumulation_step(ddp, parts, micro, use_no_sync=True)[0]
             results.append((loss, [p.detach().clone() for p in model.parameters()]))

@@ -521,8 +521,8 @@ def test_fp8_weights_quantized_once_per_optimizer_step(tmp_path, monkeypatch, gr
         if phase == "gradients":  # the last micro-step's copies: the ones AdamW must not see
             kept.append(all(m.weight_copy is not None for m in parts.fp8_layers))
             copies[:] = [weakref.ref(m.weight_copy) for m in parts.fp8_layers]
-    adamw_step = parts.optimizer.adamw.step
-    parts.optimizer.adamw.step = lambda: alive_in_adamw.append(sum(c() is not None for c in copies)) or adamw_step()
+    adamw_step = parts.optimizer.torch_optimizer.step
+    parts.optimizer.torch_optimizer.step = lambda: alive_in_adamw.append(sum(c() is not None for c in copies)) or adamw_step()
     for step in range(3):
         micro = [batches.next() for _ in range(3)]
         versions = [m.weight._version for m in parts.fp8_layers]

@@ -349,7 +349,7 @@ def test_memtracker_agrees(argv):
     tracker = memtracker()()
     if not (hasattr(tracker, "memory_tracking") and hasattr(tracker, "get_tracker_snapshot")):
         pytest.skip("this torch's MemTracker keeps its per-module snapshots elsewhere")
-    tracker.track_external(gpt, parts.optimizer.adamw, *batch)
+    tracker.track_external(gpt, parts.optimizer.torch_optimizer, *batch)
     with tracker:
         accumulate.accumulation_step(gpt, parts, [batch])
     peak = {str(k).rsplit(".", 1)[-1]: v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}

@@ -82,7 +82,7 @@ def drive_ours(overflows, growth_interval, hysteresis=1):
     model = torch.nn.Linear(4, 4).half()
     scaler = LossScaler("dynamic", growth_interval=growth_interval, hysteresis=hysteresis)
     recipe = precision.recipe(Config(precision="fp16"))
-    parts = accumulate.StepParts(recipe, scaler, MasterWeightOptimizer(model.parameters(), True, lr=0.1))
+    parts = accumulate.StepParts(recipe, scaler, MasterWeightOptimizer(model.parameters(), True, precision.AdamW(Config()), lr=0.1))
     scales, stepped_flags = [], []
     for bad in overflows:
         for p in model.parameters():
@@ -132,7 +132,7 @@ def test_scaler_from_config_modes():
 
 def state_of(model, opt):
     return ([p.detach().clone() for p in model.parameters()], [m.detach().clone() for m in opt.master_params],
-            copy.deepcopy(opt.adamw.state_dict()["state"]))
+            copy.deepcopy(opt.torch_optimizer.state_dict()["state"]))
 
 
 def assert_same_state(a, b):
@@ -177,7 +177,8 @@ def test_bf16_master_weights_keep_updates_too_small_for_bf16():
     model = torch.nn.LayerNorm(64).to(torch.bfloat16)  # weight = 1.0: BF16 spacing below 1 is 2^-8
     naive = copy.deepcopy(model)
     lr, steps = 1e-3, 6
-    opt = MasterWeightOptimizer(model.parameters(), True, lr=lr, weight_decay=0.0, grad_clip=0.0)
+    opt = MasterWeightOptimizer(model.parameters(), True, precision.AdamW(Config()), lr=lr, weight_decay=0.0,
+                                 grad_clip=0.0)
     naive_opt = torch.optim.AdamW(naive.parameters(), lr=lr, weight_decay=0.0)
     for _ in range(steps):
         for m in (model, naive):

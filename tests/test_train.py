@@ -58,7 +58,7 @@ def test_bf16_params_and_fp32_master_after_steps(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, opt.master_params))
     # the model's weights are the master copy rounded to bf16
     assert all(torch.equal(p, m.bfloat16()) for p, m in zip(model.parameters(), opt.master_params))
-    state = opt.adamw.state[opt.master_params[0]]
+    state = opt.torch_optimizer.state[opt.master_params[0]]
     assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
 
 

@@ -163,9 +163,9 @@ def master_weights_matter(device, steps):
     for name, keep_master in (("master", True), ("bf16 only", False)):
         model, parts = train.build(cfg, device)
         if not keep_master:
-            parts.optimizer = precision.MasterWeightOptimizer(model.parameters(), False, lr=cfg.learning_rate,
-                                                              weight_decay=cfg.weight_decay,
-                                                              betas=(cfg.beta1, cfg.beta2), grad_clip=cfg.grad_clip)
+            parts.optimizer = precision.MasterWeightOptimizer(model.parameters(), False, precision.optimizer_spec(cfg),
+                                                              lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                                              grad_clip=cfg.grad_clip)
         batches, losses, unchanged, counted = Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device), [], 0, 0
         watched = parts.optimizer.master_params  # what the optimizer updates: FP32 master or the BF16 weights
         for step in range(steps):

@@ -38,7 +38,7 @@ PATHS = [  # in the README's reading order
     Reading("the model", "model.py", ("CausalSelfAttention", "MLP", "Block", "GPT", "default_linear", "run_directly",
                                       "run_blocks_in_order")),
     Reading("mixed precision: master weights + loss scaler", "precision.py",
-          ("MasterWeightOptimizer", "squared_sum", "LossScaler"), ("recipe", "Recipe"), 150),
+          ("MasterWeightOptimizer", "squared_sum", "LossScaler"), ("AdamW", "optimizer_spec", "recipe", "Recipe"), 150),
     Reading("FP8: E4M3 forward, delayed scaling, BF16 backward", "fp8.py",
           ("Settings", "scale_from_amax", "amax_of", "quantize", "_FP8LinearFunction", "FP8Linear", "layers",
            "fold_amax", "release_weight_copies"), (), 150),
