@@ -25,7 +25,7 @@ import torch
 import torch.utils.checkpoint
 
 from config import UsageError
-from model import run_blocks_in_order, run_directly
+from model import AttentionCore, run_blocks_in_order
 from snapshot import rng_state, set_rng_state
 
 
@@ -265,14 +265,15 @@ class Policy:
         """Runs of consecutive block indices, each recomputed as one unit (only its input kept)."""
         return []
 
-    def core_units(self, n_layer):
-        """Blocks whose attention core alone is recomputed (its q, k, v kept)."""
+    def submodule_units(self, n_layer):
+        """[(block index, submodule path)]: submodules of blocks recomputed as units of their own, their
+        inputs kept ("attn.core": the attention core, its q, k, v; "mlp"; any path of model.Block)."""
         return []
 
-    def own_cores(self, n_layer):
-        """core_units but those inside a block unit (they re-run with their block already)."""
+    def own_submodules(self, n_layer):
+        """submodule_units but those inside a block unit (they re-run with their block already)."""
         in_units = {i for unit in self.block_units(n_layer) for i in unit}
-        return [i for i in self.core_units(n_layer) if i not in in_units]
+        return [(i, path) for i, path in self.submodule_units(n_layer) if i not in in_units]
 
     def check(self, cfg):
         """Raise UsageError where this policy cannot run with cfg."""
@@ -318,8 +319,8 @@ class Sqrt(Policy):
 class Selective(Policy):
     name, help = "selective", "each block's attention core a unit: the s x s softmax re-run, the rest kept"
 
-    def core_units(self, n_layer):
-        return list(range(n_layer))
+    def submodule_units(self, n_layer):
+        return [(i, "attn.core") for i in range(n_layer)]
 
     def check(self, cfg):
         if cfg.attn != "manual":
@@ -352,17 +353,23 @@ def _checked_units(units, n_layer):
 
 
 def apply_policy(model, policy, contexts=None, recompute_fn=recompute, stop_early=True):
-    """Set model.block_runner and each attention's core_runner for `policy` (a Policy).
-    contexts: the precision's, called with a unit's blocks at its forward (precision.Recipe.recompute_contexts);
-    a core holds no Linear and needs none. recompute_fn: `recompute`, `naive_recompute` or
-    `torch_recompute`. stop_early: may a re-run stop after the last tensor its unit saves."""
+    """Make `model` recompute what `policy` (a Policy) says: model.block_runner runs the runs of blocks
+    as units; each submodule unit's calls go through recompute_fn from now on. contexts: the precision's,
+    called with a unit's modules at its forward (precision.Recipe.recompute_contexts). recompute_fn:
+    `recompute`, `naive_recompute` or `torch_recompute`. stop_early: may a re-run stop after the last
+    tensor its unit saves."""
     recompute_fn = functools.partial(recompute_fn, stop_early=stop_early)
     n = len(model.h)
     units = _checked_units(policy.block_units(n), n)
-    cores = set(policy.own_cores(n))
     model.block_runner = _unit_runner(units, contexts, recompute_fn) if units else run_blocks_in_order
-    for i, block in enumerate(model.h):
-        block.attn.core_runner = recompute_fn if i in cores else run_directly  # q, k, v: the core's inputs
+    for block in model.h:
+        for module in block.modules():
+            module.__dict__.pop("forward", None)  # a unit of a policy applied before: the class's forward again
+    for i, path in policy.own_submodules(n):
+        module = model.h[i].get_submodule(path)
+        forward = type(module).forward.__get__(module)  # the class's forward, bound to this module
+        module.forward = functools.partial(recompute_fn, forward,
+                                           contexts=functools.partial(contexts, [module]) if contexts else None)
     return model
 
 
@@ -388,22 +395,25 @@ def _unit_runner(units, contexts, recompute_fn):
 def recompute_flops_per_token(model, policy, stop_early=True):
     """Forward FLOPs per token that recomputation adds: counted in HFU, not in MFU.
 
-    A recomputed block runs its forward again: 2 FLOPs per matmul weight per token, plus the
-    attention core's QK^T and @V, 2 x 2*s*h; a recomputed core alone, the core's. With the early
-    stop a core's att @ v is not re-run, nor a unit's last Linear where nothing after it saves (no
-    dropout; a plain nn.Linear: fp8's Function saves after it has run). Elementwise work is not
+    A recomputed unit runs its forward again: 2 FLOPs per matmul weight per token, plus, where it holds
+    the attention core, QK^T and @V, 2 x 2*s*h. With the early stop a unit's last op is not re-run when
+    nothing after it saves: a core's att @ v, or a unit's last Linear (by module order) where no dropout
+    follows it (a plain nn.Linear: fp8's Function saves after it has run). Elementwise work is not
     counted (nor does FlopCounterMode count it). sqrt re-runs every block, as full does.
     """
     c, n = model.cfg, len(model.h)
     core = 4 * c.block_size * c.n_embd
-    units = policy.block_units(n)
-    in_units = {i for unit in units for i in unit}
-    cores = policy.own_cores(n)
-    matmuls = lambda block: 2 * sum(p.numel() for p in block.parameters() if p.dim() >= 2)  # noqa: E731
-    if not stop_early:
-        return sum(matmuls(model.h[i]) + core for i in in_units) + core * len(cores)
-    # a unit's last Linear (a 2-D weight), by module order: the order model.Block makes and runs them
-    last = [[m for m in model.h[unit[-1]].modules() if getattr(m, "weight", torch.ones(1)).dim() == 2][-1]
-            for unit in units]
-    skipped = sum(2 * proj.weight.numel() for proj in last if type(proj) is torch.nn.Linear and not c.dropout)
-    return sum(matmuls(model.h[i]) + core for i in in_units) - skipped + core // 2 * len(cores)
+    linears = lambda module: [m for m in module.modules() if getattr(m, "weight", torch.ones(1)).dim() == 2]  # noqa
+    units = [[model.h[i] for i in unit] for unit in policy.block_units(n)] + \
+        [[model.h[i].get_submodule(path)] for i, path in policy.own_submodules(n)]
+    total = 0
+    for modules in units:
+        cores = sum(isinstance(m, AttentionCore) for module in modules for m in module.modules())
+        total += sum(2 * m.weight.numel() for module in modules for m in linears(module)) + core * cores
+        if not stop_early:
+            continue
+        if len(modules) == 1 and isinstance(modules[0], AttentionCore):
+            total -= core // 2  # att @ v: its inputs are the last tensors the core saves
+        elif linears(modules[-1]) and type(linears(modules[-1])[-1]) is torch.nn.Linear and not c.dropout:
+            total -= 2 * linears(modules[-1])[-1].weight.numel()
+    return total

@@ -92,29 +92,35 @@ def embeddings(g):
 
 
 def block(g, x):
-    """model.Block.forward. Change it with model.Block: everything the ledger says follows."""
-    x = g.add("x + attn", x, attention(g, g.layer_norm("ln_1", x)))
-    return g.add("x + mlp", x, mlp(g, g.layer_norm("ln_2", x)))
+    """model.Block.forward. Change it with model.Block: everything the ledger says follows. Each
+    submodule goes through g.module(path, ...), a recompute unit where the policy makes it one."""
+    x = g.add("x + attn", x, g.module("attn", attention, g.module("ln_1", norm, x)))
+    return g.add("x + mlp", x, g.module("mlp", mlp, g.module("ln_2", norm, x)))
+
+
+def norm(g, x):
+    """nn.LayerNorm, named by its module's path."""
+    return g.layer_norm(g.path, x)
 
 
 def attention(g, x):
-    """CausalSelfAttention.forward: c_attn, the heads, the core (through its runner: selective
-    recompute makes it a unit), back to (B, T, C), c_proj, dropout. split: Megatron's TP."""
+    """CausalSelfAttention.forward: c_attn, the heads, the core, back to (B, T, C), c_proj, dropout.
+    split: Megatron's TP."""
     z = g.sizes
     q, k, v = g.split_heads("attn.split", g.linear("attn.c_attn", x, 3 * z.h, split="column"))
-    y = g.merge_heads("attn.merge", g.core_runner(core, q, k, v))
+    y = g.merge_heads("attn.merge", g.module("attn.core", core, q, k, v))
     return g.dropout("attn.resid_dropout", g.linear("attn.c_proj", y, z.h, split="row"))
 
 
 def core(g, q, k, v):
-    """CausalSelfAttention.core: softmax(QK^T / sqrt(d)) V, causal. The manual core keeps the
+    """AttentionCore.forward: softmax(QK^T / sqrt(d)) V, causal. The manual core keeps the
     (B, a, T, T) softmax, a*s^2*b elements: the chapter's s^2 term; sdpa keeps none."""
     z = g.sizes
     if z.attn == "sdpa":
         return g.sdpa("attn.sdpa", q, k, v)
     att = g.matmul("attn.QK^T", q, k, z.b * z.a * z.s * z.s * z.e, names=("q", "k"))
     att = g.pointwise("attn.scale", att, saves=None)  # * 1/sqrt(d)
-    att = g.masked_fill("attn.masked_fill", att, "attn.future_mask", z.s * z.s)
+    att = g.masked_fill("attn.masked_fill", att, "attn.core.future_mask", z.s * z.s)
     att = g.softmax("attn.softmax", att)
     att = g.dropout("attn.dropout", att)
     return g.matmul("attn.att@V", att, v, z.bsh * z.e, names=("attention weights", "v"))
@@ -156,7 +162,12 @@ def sizes(cfg):
 def plan(cfg):
     """The recompute policy's units (checkpoint.py), as the walk runs them."""
     policy = checkpoint.policy(cfg)
-    return step.Plan(cfg.n_layer, policy.block_units(cfg.n_layer), policy.own_cores(cfg.n_layer))
+    return step.Plan(cfg.n_layer, policy.block_units(cfg.n_layer), frozenset(policy.own_submodules(cfg.n_layer)))
+
+
+def unit_paths(cfg, block_index):
+    """The submodule paths of one block that the policy recomputes as units of their own, sorted."""
+    return tuple(sorted(path for i, path in plan(cfg).submodule_units if i == block_index))
 
 
 @dataclass(frozen=True)
@@ -172,11 +183,11 @@ class Term:
 
 
 @functools.lru_cache(maxsize=256)
-def _census(z, core_unit):
-    """Run embeddings, one block (its core a recompute unit or not) and the head, forward only:
+def _census(z, paths):
+    """Run embeddings, one block (its submodules at `paths` recompute units) and the head, forward only:
     (the saved Terms, what the ops declared, the bytes of a block's input)."""
     g = Ops(Walk(0), z)
-    g.plan = step.Plan(1, [], [0] if core_unit else [])
+    g.plan = step.Plan(1, [], frozenset((0, path) for path in paths))
     with g.within("", "embedding"):
         x = embeddings(g)
     block_input = x.nbytes
@@ -190,13 +201,13 @@ def _census(z, core_unit):
     return terms, g.declared, block_input
 
 
-def census(cfg, core_unit=False):
-    return _census(sizes(cfg), core_unit)
+def census(cfg, paths=()):
+    return _census(sizes(cfg), tuple(paths))
 
 
-def block_activation_terms(cfg, core_unit=False):
-    """[Term] one block saves (its core recomputed by checkpoint.recompute, or not)."""
-    return [t for t in census(cfg, core_unit)[0] if t.scope == 0]
+def block_activation_terms(cfg, paths=()):
+    """[Term] one block saves, its submodules at `paths` recomputed (unit_paths: as cfg's policy says)."""
+    return [t for t in census(cfg, paths)[0] if t.scope == 0]
 
 
 def outside_terms(cfg):
@@ -206,22 +217,37 @@ def outside_terms(cfg):
 
 def activation_terms(cfg):
     """[Term] for the whole model after its forward under cfg.ckpt, alike ones counted together:
-    plain blocks' terms times their number, core-recomputed blocks' likewise, one input per
-    block unit. O(1) in L: one block is described, the policy says how many of each kind."""
+    the blocks of each kind (which submodules are units: block_kinds) times their number, one input per
+    block unit. One block is described per kind, the policy says how many of each."""
     p = plan(cfg)
-    in_units = {i for unit in p.units for i in unit}
-    n_core = len(p.core_units)  # Policy.own_cores: none inside a unit
-    n_plain = cfg.n_layer - len(in_units) - n_core
-    out = {}
-    for n, core_unit in ((n_plain, False), (n_core, True)):
-        for t in block_activation_terms(cfg, core_unit) if n else ():
-            count, total = out.get((t.name, "blocks"), (0, 0))
-            out[(t.name, "blocks")] = (count + n, total + n * t.nbytes, t)
-    terms = [Term(f"{name} (x{count} blocks)", total, "blocks", t.region, t.role) for (name, _), (count, total, t)
+    out = {}  # name -> [blocks, bytes, a Term]
+    for paths, n in block_kinds(cfg).items():
+        for name in dict.fromkeys(t.name for t in block_activation_terms(cfg, paths)):
+            out.setdefault(name, [0, 0, None])[0] += n  # a block that saves two storages under one name: once
+        for t in block_activation_terms(cfg, paths):
+            out[t.name][1] += n * t.nbytes
+            out[t.name][2] = t
+    terms = [Term(f"{name} (x{count} blocks)", total, "blocks", t.region, t.role) for name, (count, total, t)
              in out.items()]
     if p.units:
         terms.append(Term(f"unit inputs ({len(p.units)} x bsh)", len(p.units) * census(cfg)[2], "units", False))
     return terms + outside_terms(cfg)
+
+
+def block_kinds(cfg):
+    """{submodule unit paths: how many blocks} over the blocks outside block units: () for a plain
+    block, ("attn.core",) for one whose core the selective policy recomputes."""
+    p = plan(cfg)
+    in_units = {i for unit in p.units for i in unit}
+    paths = {}
+    for i, path in p.submodule_units:
+        paths.setdefault(i, []).append(path)
+    kinds = {}
+    for i in range(cfg.n_layer):
+        if i not in in_units:
+            kind = tuple(sorted(paths.get(i, ())))
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
 
 
 def activation_bytes(cfg):
@@ -320,7 +346,7 @@ def rng_state_bytes(cfg):
     """Host bytes of the RNG states the recompute units keep (checkpoint.Unit.rng): one per unit, the
     CPU generator's state as torch sizes it, and on CUDA 16 bytes more (seed and Philox offset)."""
     p = plan(cfg)
-    n = len(p.units) + len(p.core_units)
+    n = len(p.units) + len(p.submodule_units)
     return n * (torch.get_rng_state().numel() + (8 + 8 if cfg.device == "cuda" else 0))
 
 

@@ -1,16 +1,14 @@
 """The GPT: a small nanoGPT-style decoder that the memory techniques act on.
 
 Chapter: none of the techniques by itself; this is the model every section measures.
-Read first: `GPT.forward`, then `Block` and `CausalSelfAttention.core`. It is built
+Read first: `GPT.forward`, then `Block`, `CausalSelfAttention` and `AttentionCore`. It is built
 from config.Config (n_layer, n_head, n_embd, block_size, vocab_size, dropout, bias, attn).
 
-Three seams let the other files change the model without forking it:
-- every Linear is built by `linear_factory` (precision.py's recipe swaps in an FP8 Linear);
-- `GPT.forward` runs the blocks through `self.block_runner` (checkpoint.py swaps in
-  a runner that recomputes blocks or segments of blocks);
-- the attention core (QK^T, softmax, dropout, @V) is its own callable,
-  `CausalSelfAttention.core`, called through `self.core_runner` (checkpoint.py's
-  selective policy recomputes just that).
+Two seams let the other files change the model without forking it: every Linear is built by
+`linear_factory` (precision.py's recipe swaps in an FP8 Linear), and `GPT.forward` runs the blocks
+through `self.block_runner` (checkpoint.py swaps in one that recomputes runs of blocks). Any
+submodule of a block can be a recompute unit too (checkpoint.apply_policy: the attention core for
+the selective policy), with no seam: its calls go through checkpoint's recompute.
 """
 import math
 import torch
@@ -21,27 +19,20 @@ def default_linear(in_features, out_features, bias):
     return nn.Linear(in_features, out_features, bias=bias)
 
 
-def run_directly(fn, *args):
-    return fn(*args)
+class AttentionCore(nn.Module):
+    """softmax(QK^T / sqrt(d)) V for (B, heads, T, d) tensors, causal: the part whose saved tensors grow
+    with s^2 and whose FLOPs are small (checkpoint.py's selective policy recomputes just this)."""
 
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg, linear_factory):
+    def __init__(self, cfg):
         super().__init__()
-        self.n_head, self.attn, self.dropout = cfg.n_head, cfg.attn, cfg.dropout
-        self.c_attn = linear_factory(cfg.n_embd, 3 * cfg.n_embd, cfg.bias)
-        self.c_proj = linear_factory(cfg.n_embd, cfg.n_embd, cfg.bias)
-        self.c_proj.residual_projection = True  # it writes into the residual stream: GPT.__init__ scales its init
-        self.resid_dropout = nn.Dropout(cfg.dropout)
-        self.core_runner = run_directly  # checkpoint.py's selective policy replaces this
+        self.attn, self.dropout = cfg.attn, cfg.dropout
         if cfg.attn == "manual":
             # True above the diagonal: the future positions a token must not attend to. Stored
             # inverted once, so masked_fill's saved mask is a view of this buffer, not a new s^2 tensor
             future = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool).triu(1)
             self.register_buffer("future_mask", future.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
 
-    def core(self, q, k, v):
-        """softmax(QK^T / sqrt(d)) V for (B, heads, T, d) tensors, causal."""
+    def forward(self, q, k, v):
         p = self.dropout if self.training else 0.0
         if self.attn == "sdpa":
             # flash/memory-efficient kernels never store the (T, T) softmax: they
@@ -54,11 +45,22 @@ class CausalSelfAttention(nn.Module):
         att = F.dropout(att, p, training=self.training)
         return att @ v
 
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg, linear_factory):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = linear_factory(cfg.n_embd, 3 * cfg.n_embd, cfg.bias)
+        self.core = AttentionCore(cfg)
+        self.c_proj = linear_factory(cfg.n_embd, cfg.n_embd, cfg.bias)
+        self.c_proj.residual_projection = True  # it writes into the residual stream: GPT.__init__ scales its init
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = self.core_runner(self.core, q, k, v)
+        y = self.core(q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

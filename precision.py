@@ -253,9 +253,10 @@ class Recipe:
         """(around a recompute unit's forward, around its re-run) for the unit made of `modules`: the
         re-run uses the FP8 weight its forward used and records no amax (fp8_refined.Rerun); under TE
         it re-enters TE's FP8 autocast with TE's recompute-phase flags (fp8_te.recompute_contexts)."""
-        if self.fp8 is None:
+        fp8_layers = [m for module in modules for m in fp8.layers(module)]
+        if self.fp8 is None or not fp8_layers:  # a unit with no FP8 Linear (the attention core) needs nothing
             return nullcontext(), nullcontext()
-        rerun = fp8_refined.Rerun([m for module in modules for m in fp8.layers(module)])
+        rerun = fp8_refined.Rerun(fp8_layers)
         if self.fp8.backend != "te":
             return nullcontext(), rerun
         around_forward, around_rerun = fp8_te.recompute_contexts(self.fp8)

@@ -28,7 +28,7 @@ def expected(cfg):
     plan = ml.plan(cfg)
     in_units = {i for unit in plan.units for i in unit}
     out = [(i, term) for i in range(cfg.n_layer) if i not in in_units
-           for term in ml.block_activation_terms(cfg, i in plan.core_units)]
+           for term in ml.block_activation_terms(cfg, ml.unit_paths(cfg, i))]
     out += [("outside", ml.Term("unit input", ml.census(cfg)[2], "units", False)) for _ in plan.units]
     return out + [("outside", term) for term in ml.outside_terms(cfg)]
 

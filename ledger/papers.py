@@ -40,7 +40,7 @@ def korthikanti_rows(t=8):
     sbh, core = s * b * h, 5 * a * s * s * b
     stats = norm_extras(gpt3)
     why = "our norms keep more than their inputs (LayerNorm: the FP32 mean+rstd, 16bs), the paper drops it"
-    ours = lambda cfg: sum(term.nbytes for term in ml.block_activation_terms(cfg, bool(ml.plan(cfg).core_units)))  # noqa
+    ours = lambda cfg: sum(term.nbytes for term in ml.block_activation_terms(cfg, ml.unit_paths(cfg, 0)))  # noqa
     no_drop = replace(gpt3, dropout=0.0)
     # eq. 1 less its dropout terms: the a*s^2 mask (1 byte) and output (2 bytes), two sbh masks
     paper_no_drop = ml.layer_activations_closed(s, b, h, a, dropout=False)
@@ -104,10 +104,8 @@ def closed_form_rows(cfg):
     rows = [_row("model states", f"{sum(per)} bytes/parameter ({' + '.join(map(str, per))}) x P",
                  sum(per) * P, described, differences)]
 
-    p = ml.plan(cfg)
-    in_units = {i for unit in p.units for i in unit}
-    n_core, n_units = len(p.core_units), len(p.units)
-    n_plain = cfg.n_layer - len(in_units) - n_core
+    kinds, n_units = ml.block_kinds(cfg), len(ml.plan(cfg).units)
+    n_plain, n_core = kinds.get((), 0), kinds.get(("attn.core",), 0)  # other kinds: no closed form (below)
     sdpa, dropout = cfg.attn == "sdpa", cfg.dropout > 0
     layer = ml.layer_activations_closed(z.s, z.b, z.h, z.a, e, dropout, sdpa)
     selective = ml.layer_activations_closed(z.s, z.b, z.h, z.a, e, dropout, sdpa=True)

@@ -35,15 +35,15 @@ def korthikanti_layer_terms(s, b, h, a):
 
 # ---------------------------------------------------------------- the parallel techniques, per GPU
 
-def tp_block_bytes(cfg, t, sp, core_unit=None):
+def tp_block_bytes(cfg, t, sp, paths=None):
     """One block's saved bytes per GPU under TP t: a term made inside a tensor-parallel region
     (between a column-parallel Linear and the row-parallel one after it: the description's
     `split`) is split over t; the rest is whole on every rank, or / t under SP (split along
-    the sequence). core_unit: its attention core recomputed (None: as cfg's policy says)."""
-    if core_unit is None:
-        core_unit = bool(ml.plan(cfg).core_units)
+    the sequence). paths: its submodules recomputed as units (None: block 0's, as cfg's policy says)."""
+    if paths is None:
+        paths = ml.unit_paths(cfg, 0)
     return sum(term.nbytes // t if (sp or term.region) else term.nbytes
-               for term in ml.block_activation_terms(cfg, core_unit))
+               for term in ml.block_activation_terms(cfg, paths))
 
 
 def tp_components(cfg, t, sp):
@@ -60,10 +60,7 @@ def tp_components(cfg, t, sp):
     P, _ = ml.param_count(cfg)
     frac = (ml.split_param_count(cfg) / t + (P - ml.split_param_count(cfg))) / P
     p = ml.plan(cfg)
-    in_units = {i for unit in p.units for i in unit}
-    n_core = len(p.core_units)  # Policy.own_cores: none inside a unit
-    n_plain = cfg.n_layer - len(in_units) - n_core
-    acts = n_plain * tp_block_bytes(cfg, t, sp, False) + n_core * tp_block_bytes(cfg, t, sp, True)
+    acts = sum(n * tp_block_bytes(cfg, t, sp, paths) for paths, n in ml.block_kinds(cfg).items())
     acts += len(p.units) * ml.census(cfg)[2] // (t if sp else 1)
     acts += sum(term.nbytes // t if (sp or term.region) else term.nbytes for term in ml.outside_terms(cfg))
     # native FP8: each rank keeps the E4M3 copy of its shard of every Linear weight, and its own 16-byte scale and amax

@@ -10,9 +10,10 @@ with the earlier ones' .grad alive (unless FP32 sums took them) and the FP8 copi
 Under each recompute policy (checkpoint.py), as the Plan of its units:
   no unit    every block's saved tensors are alive when backward starts; each block frees
              its own as backward passes through it.
-  core units the attention core's saved tensors come back for the length of its own
-             backward: its output node (checkpoint.RerunNode) re-runs it up to att @ v, whose
-             inputs are the last tensors it saves; its q, k and v go once that is done.
+  submodule units (the selective policy's attention core) their saved tensors come back for
+             the length of their own backward: the output node (checkpoint.RerunNode) re-runs
+             the unit up to the last tensor it saves (the core: att @ v's inputs); its inputs
+             (the core's q, k and v) go once that is done.
   block units only the unit inputs are alive; backward re-runs a unit's forward up to the
              last tensor it saves (every block of the unit saves everything again), and
              each node of the unit lets go of its own as backward passes through it.
@@ -34,11 +35,11 @@ class Description:
 @dataclass(frozen=True)
 class Plan:
     """Which units a recompute policy runs through checkpoint.recompute (Policy.block_units,
-    Policy.own_cores of checkpoint.py): runs of consecutive blocks, and the blocks whose
-    attention core is a unit of its own."""
+    Policy.own_submodules of checkpoint.py): runs of consecutive blocks, and (block, submodule path)
+    pairs recomputed as units of their own (the selective policy's: (i, "attn.core"))."""
     n_layer: int
     units: list
-    core_units: list
+    submodule_units: frozenset
 
 
 def forward(g, model, plan):

@@ -160,6 +160,7 @@ class Graph:
     def __init__(self, walk, sizes):
         self.walk, self.sizes = walk, sizes
         self.grad_enabled, self.seq, self.prefix, self.scope, self.plan = True, 0, "", None, None
+        self.path = ""  # the block's submodule running now (module)
         self.role = None  # what the tensors saved now are kept by (ops.NORM inside a norm)
         self.running_unit = None  # the recompute unit running now: its forward or, once it has `recomputed`, its re-run
         self.declared, self.grads, self.kept = {"param": {}, "buffer": {}, "fp8 weight": {}, "tied": {}}, {}, {}
@@ -281,12 +282,16 @@ class Graph:
         self.scope = previous
         return view
 
-    def core_runner(self, core, *args):
-        """CausalSelfAttention.core_runner: the core as it is, or a recompute unit where the
-        policy recomputes this block's core (the selective policy's)."""
-        if self.plan is not None and self.scope in self.plan.core_units:
-            return self.unit("attn.core", lambda *a: core(self, *a), *args, term="recompute inputs", scope=self.scope)
-        return core(self, *args)
+    def module(self, path, fn, *args):
+        """A block's submodule `path`, described by fn(g, *args): as it is, or a recompute unit where the
+        policy makes this block's `path` one (checkpoint.apply_policy's submodule units)."""
+        previous, self.path = self.path, path
+        try:
+            if self.plan is not None and (self.scope, path) in self.plan.submodule_units:
+                return self.unit(path, lambda *a: fn(self, *a), *args, term="recompute inputs", scope=self.scope)
+            return fn(self, *args)
+        finally:
+            self.path = previous
 
     def no_grad(self):
         return self._grad_mode(False)

@@ -78,7 +78,8 @@ def apply_oracle(model, policy, segment=0):
         model.block_runner = run
     elif policy == "selective":
         for block in model.h:
-            block.attn.core_runner = lambda fn, *a: torch_checkpoint(fn, *a, use_reentrant=False)
+            core = block.attn.core
+            core.forward = lambda *a, forward=core.forward: torch_checkpoint(forward, *a, use_reentrant=False)
     return model
 
 
@@ -217,7 +218,7 @@ def test_the_naive_recompute_gives_the_real_ones_gradients(policy, segment):
         patch.setattr(checkpoint.NaiveRecompute, "apply", lambda *a: (calls.append(1), apply(*a))[1])
         theirs = train_step(naive, x, y)
     real = train_step(make_model(policy, segment, dropout=0.2), x, y)
-    expected_units = len(units(policy, 4, segment)) + len(checkpoint.POLICIES[policy](segment).own_cores(4))
+    expected_units = len(units(policy, 4, segment)) + len(checkpoint.POLICIES[policy](segment).own_submodules(4))
     assert len(calls) == expected_units, f"{len(calls)} naive units ran, {expected_units} expected"
     assert_same(theirs, real)
     assert torch.equal(theirs[3], real[3]), "the naive re-run moved the caller's random stream"
@@ -488,7 +489,8 @@ def test_each_policy_says_its_units():
     assert units("sqrt", 4, 3) == [[0, 1, 2], [3]]
     assert units("sqrt", 2, 5) == [[0, 1]]
     assert units("none", 4) == [] and units("selective", 4) == []
-    assert checkpoint.Selective().core_units(3) == [0, 1, 2] and checkpoint.Full().core_units(3) == []
+    assert checkpoint.Selective().submodule_units(3) == [(0, "attn.core"), (1, "attn.core"), (2, "attn.core")]
+    assert checkpoint.Full().submodule_units(3) == []
 
 
 def test_bad_policies_are_refused_in_words():
@@ -738,3 +740,42 @@ def test_counted_step_flops_cli_agrees_with_the_formula():
         extra = checkpoint.recompute_flops_per_token(model, checkpoint.POLICIES[policy]())
         assert counted[policy] - counted["none"] == extra * tokens
     assert counted["none"] == model.flops_per_token() * tokens
+
+
+class MLPOnly(checkpoint.Policy):
+    """A learner's policy: each block's MLP a unit of its own (its input kept, the MLP re-run in backward)."""
+    name, help = "mlp", "each block's MLP a unit: its input kept, the MLP re-run in backward"
+
+    def submodule_units(self, n_layer):
+        return [(i, "mlp") for i in range(n_layer)]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_an_mlp_only_policy_is_one_class(monkeypatch, dropout):
+    """Registered in checkpoint.POLICIES and nowhere else, a policy whose unit is a submodule (the MLP)
+    trains with ckpt=none's and torch.utils.checkpoint's gradients, its HFU counts what FlopCounterMode
+    counts, and the ledger (every component, the RNG states, the peak, the TP rows) follows it exactly."""
+    from tools import ledger as tool
+    from ledger import parallel
+    monkeypatch.setitem(checkpoint.POLICIES, "mlp", MLPOnly)
+    x, y = batch()
+    ours = train_step(make_model("mlp", dropout=dropout), x, y)
+    assert_same(ours, train_step(make_model("none", dropout=dropout), x, y))
+    oracle = make_model(dropout=dropout)
+    for block in oracle.h:
+        block.mlp.forward = lambda h, forward=block.mlp.forward: torch_checkpoint(forward, h, use_reentrant=False)
+    assert_same(ours, train_step(oracle, x, y))
+    # the re-run stops after the last tensor the MLP saves: its c_proj's input without dropout, the mask with it
+    extra = step_flops(make_model("mlp", dropout=dropout), x, y) - step_flops(make_model("none", dropout=dropout), x, y)
+    assert checkpoint.recompute_flops_per_token(make_model("mlp", dropout=dropout), MLPOnly()) * B * T == extra
+    for prec in ("fp32", "bf16"):
+        cfg = cli.parse_args(["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2",
+                              f"--precision={prec}", f"--dropout={dropout}", "--ckpt=mlp", "--device=cpu"])
+        meas = tool.run_config(cfg, torch.device("cpu"))
+        rows, ok = tool.compare(cfg, meas)
+        assert ok and rows[-1][1] == rows[-1][2], tool.failure(cfg, rows, meas)
+        assert meas["rng_states"] == cfg.n_layer * torch.get_rng_state().numel(), "one RNG state per MLP unit"
+        # the TP rows follow the policy: at t = 1 they are what was measured, at t = 2 the split part halves
+        tp = {t: parallel.tp_components(cfg, t, sp=False)["activations"] for t in (1, 2)}
+        assert tp[1] == meas["activations"], f"TP t=1 activations {tp[1]:,}, measured {meas['activations']:,}"
+        assert tp[2] < tp[1]

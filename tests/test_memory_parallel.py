@@ -31,7 +31,8 @@ def test_korthikanti_per_layer_formula(s, b, h, a):
     sh = Config(n_layer=1, n_embd=h, n_head=a, block_size=s, batch_size=b, dropout=0.1, precision="bf16",
                 device="cuda")
     extras = papers.norm_extras(sh)
-    ours, ours_selective = (sum(t.nbytes for t in ml.block_activation_terms(sh, core)) for core in (False, True))
+    ours, ours_selective = (sum(t.nbytes for t in ml.block_activation_terms(sh, paths))
+                            for paths in ((), ("attn.core",)))
     assert ours == sum(terms.values()) + extras, f"ours {ours:,} bytes, the paper's {sum(terms.values()):,} " \
                                                  f"+ the norms' extras {extras:,}: the block is not the paper's"
     assert ours_selective == selective + extras
@@ -114,7 +115,7 @@ def test_tp_splits_what_the_parallel_regions_make(shape, policy):
     if policy == "selective" and shape.get("attn") == "sdpa":
         return
     sh = replace(Config(n_layer=2, n_embd=64, n_head=4, block_size=32, batch_size=2, **shape), ckpt=policy)
-    terms = ml.block_activation_terms(sh, policy == "selective")
+    terms = ml.block_activation_terms(sh, ("attn.core",) if policy == "selective" else ())
     assert any(t.region for t in terms) and any(not t.region for t in terms)
     assert not any(t.region for t in terms if t.role == ml.NORM)
     one, t4, sp4 = (mp.tp_components(sh, t, sp) for t, sp in ((1, False), (4, False), (4, True)))

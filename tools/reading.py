@@ -35,7 +35,7 @@ class Reading:
 
 PATHS = [  # in the README's reading order
     Reading("the config: every key and its meaning", "config.py", ("Config", "key")),
-    Reading("the model", "model.py", ("CausalSelfAttention", "MLP", "Block", "GPT", "default_linear", "run_directly",
+    Reading("the model", "model.py", ("GPT", "Block", "CausalSelfAttention", "AttentionCore", "MLP", "default_linear",
                                       "run_blocks_in_order")),
     Reading("mixed precision: master weights + loss scaler", "precision.py",
           ("MasterWeightOptimizer", "squared_sum", "LossScaler"), ("AdamW", "optimizer_spec", "recipe", "Recipe"), 150),
