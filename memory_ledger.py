@@ -212,13 +212,15 @@ def activation_terms(cfg):
     in_units = {i for unit in p.units for i in unit}
     n_core = len(p.core_units)  # Policy.own_cores: none inside a unit
     n_plain = cfg.n_layer - len(in_units) - n_core
-    out = {}
+    out, blocks = {}, {}
     for n, core_unit in ((n_plain, False), (n_core, True)):
         for t in block_activation_terms(cfg, core_unit) if n else ():
-            count, total = out.get((t.name, "blocks"), (0, 0))
-            out[(t.name, "blocks")] = (count + n, total + n * t.nbytes, t)
-    terms = [Term(f"{name} (x{count} blocks)", total, "blocks", t.region, t.role) for (name, _), (count, total, t)
-             in out.items()]
+            count, total, _ = out.get(t.name, (0, 0, t))  # a name may hold two storages of a block
+            out[t.name] = (count + n, total + n * t.nbytes, t)
+            blocks.setdefault(t.name, {})[core_unit] = n
+    terms = [Term(f"{name} (x{count} blocks)" if count == sum(blocks[name].values()) else
+                  f"{name} (x{count} in {sum(blocks[name].values())} blocks)", total, "blocks", t.region, t.role)
+             for name, (count, total, t) in out.items()]
     if p.units:
         terms.append(Term(f"unit inputs ({len(p.units)} x bsh)", len(p.units) * census(cfg)[2], "units", False))
     return terms + outside_terms(cfg)

@@ -223,6 +223,8 @@ def _linear_backward(g, node, grads):
     dx = g.new(node.name + " backward: dx", node.name + " dx", M * n_in * z.e, region=grads[0].region)
     g.param_grad(node.name + " backward: dW", node.name + ".weight", n_out * n_in * z.e)
     if z.bias:
+        if node.slots:  # in a recompute unit the unpacked x dies with AddmmBackward0, before the engine sums db
+            node.release()
         g.param_grad(node.name + " backward: db", node.name + ".bias", n_out * z.e)
     return [dx]
 

@@ -17,7 +17,7 @@ import train
 from config import Config
 from guards.cli import parse_args
 from conftest import merged
-from ledger import explain, measure
+from ledger import explain, measure, step
 from ledger.ops import Ops
 from tools import ledger as tool
 
@@ -249,6 +249,17 @@ def test_saved_views_of_buffers_and_the_batch_are_not_activations():
         counts.append(saved.total)
     assert counts[0] - counts[1] == cfg.n_layer * cfg.block_size ** 2  # one bool mask per block
     assert counts[1] - counts[2] == ml.input_bytes(cfg)  # the embedding saves x, the loss y
+
+
+def test_a_name_that_holds_two_storages_of_a_block_is_counted_twice(monkeypatch):
+    """A block may save two storages under one name (a learner's op named like another): activation_terms
+    adds both, in every kind of block (plain and core-recomputed), and says so in the term's name."""
+    cfg = Config(n_layer=3, n_embd=32, n_head=2, block_size=16, batch_size=2, ckpt="selective")
+    twice = [ml.Term("mlp.twice", 100, 0, False), ml.Term("mlp.twice", 60, 0, False)]
+    monkeypatch.setattr(ml, "block_activation_terms", lambda c, core_unit=False: twice)
+    monkeypatch.setattr(ml, "plan", lambda c: step.Plan(3, [], [0]))  # one core-recomputed block, two plain
+    terms = [t for t in ml.activation_terms(cfg) if t.scope == "blocks"]
+    assert [(t.name, t.nbytes) for t in terms] == [("mlp.twice (x6 in 3 blocks)", 3 * 160)], terms
 
 
 def test_recompute_keeps_only_unit_inputs():

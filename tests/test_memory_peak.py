@@ -258,3 +258,36 @@ def test_each_rerun_adds_what_the_walk_says(ckpt, prec, stops, monkeypatch):
     ml.peak_estimate(cfg)
     assert measured == walked and len(measured) == cfg.n_layer, f"bytes each re-run added: measured {measured}, " \
                                                                  f"walked {walked}"
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_units_linear_lets_its_input_go_before_the_bias_gradient(bias):
+    """Inside a recompute unit a Linear's saved input comes back through the unit's unpack hook and dies
+    with AddmmBackward0's apply, before the engine sums the bias gradient down to its shape: the walk
+    frees it there too. Two Linears (4 -> 64 -> 16 features) in one unit, so the second one's backward
+    is the highest point: measured (LiveTensors) and walked, the backward's peak to the byte."""
+    import checkpoint
+    b, s, widths, dtype = 2, 8, (4, 64, 16), torch.bfloat16
+    lins = [torch.nn.Linear(n, m, bias=bias).to(dtype) for n, m in zip(widths, widths[1:])]
+    x = torch.randn(b, s, widths[0], dtype=dtype, requires_grad=True)
+    tracker = measure.LiveTensors("cpu")
+    with tracker:
+        tracker.adopt([p for lin in lins for p in lin.parameters()] + [x])
+        y = checkpoint.recompute(lambda t: lins[1](lins[0](t)), x)
+        seed = torch.ones_like(y)
+        start = tracker.read()
+        tracker.reset_peak()
+        y.backward(seed)
+        measured = tracker.peak - start
+    z = ml.sizes(Config(n_layer=1, n_embd=widths[0], n_head=1, block_size=s, batch_size=b, bias=bias))
+    g = Ops(Walk(0), z)
+    g.plan = step.Plan(1, [], [])
+    walked_x = g.new("input", "x", x.nbytes)
+    out = g.unit("unit", lambda t: g.linear("lin2", g.linear("lin1", t, widths[1]), widths[2]), walked_x,
+                 term="unit input", scope="units")
+    walked_seed = g.new("seed", "seed", seed.nbytes)
+    start, first = g.walk.total, len(g.walk.totals)
+    g.backward([(out, walked_seed)])
+    walked = max(g.walk.totals[first:]) - start
+    assert walked == measured, f"a unit's backward through two Linears (bias={bias}): walked peak {walked:,} " \
+                               f"bytes over its start, measured {measured:,}"
