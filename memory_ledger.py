@@ -150,7 +150,7 @@ def sizes(cfg):
                  loss_scaled=rec.loss_scaling != "none", fp8=rec.fp8.backend if rec.fp8 else None,
                  fp8_e5m2=rec.fp8 is not None and rec.fp8.grad == "e5m2",
                  fp8_history=rec.fp8.history if rec.fp8 else 16,
-                 rerun_stops_early=checkpoint.rerun_stops_early(cfg, rec))
+                 rerun_stops_early=checkpoint.rerun_stops_early(cfg, rec), dtype=str(rec.param_dtype)[len("torch."):])
 
 
 def plan(cfg):
@@ -169,6 +169,7 @@ class Term:
     scope: object
     region: bool
     role: str = None
+    dtype: str = None  # torch's name for it: what ledger/explain.py matches a measured tensor by, with its module
 
 
 @functools.lru_cache(maxsize=256)
@@ -185,7 +186,7 @@ def _census(z, core_unit):
     with g.within("", "head"):
         loss = head(g, x)
     del x
-    terms = tuple(Term(e.term, e.nbytes, e.scope, e.region, e.role) for e in g.walk.live.values() if e.saved)
+    terms = tuple(Term(e.term, e.nbytes, e.scope, e.region, e.role, e.dtype) for e in g.walk.live.values() if e.saved)
     del loss
     return terms, g.declared, block_input
 

@@ -39,6 +39,7 @@ class Sizes:
     fp8_e5m2: bool = False  # the FP8 backward quantizes the output gradient to E5M2 (fp8_grad=e5m2)
     fp8_history: int = 16  # amax history length of our FP8Linear's buffers
     rerun_stops_early: bool = True  # a recompute unit's re-run stops after its last saved tensor
+    dtype: str = None  # the activations' dtype, by torch's name ("float32", "bfloat16", "float16")
 
     @property
     def bsh(self):
@@ -88,9 +89,9 @@ class Ops(Pointwise):
         self.declare("param", name + ".weight", z.h)
         if z.bias:
             self.declare("param", name + ".bias", z.h)  # vectors: replicated under TP, no weight decay
-        stats = z.b * z.s * z.stat_bytes
-        mean, rstd, out = self.alloc(name, (name + " mean", stats), (name + " rstd", stats),
-                                     (name + " output", x.nbytes), region=x.region)
+        stats, stat = z.b * z.s * z.stat_bytes, "float32" if z.cuda else x.dtype
+        mean, rstd, out = self.alloc(name, (name + " mean", stats, stat), (name + " rstd", stats, stat),
+                                     (name + " output", x.nbytes), region=x.region, dtype=x.dtype)
         with self.kept_by(NORM):
             self.record(name, [x], [out], _norm_backward, saved=[(x, name + " input"), (mean, name + " mean"),
                                                                   (rstd, name + " rstd")], nbytes=x.nbytes)
@@ -139,7 +140,7 @@ class Ops(Pointwise):
         if y.layout == "sdpa":
             out = y.view(layout="rows")
         else:
-            out = self.new(name + " y contiguous", name + " y contiguous", y.nbytes, region=y.region)
+            out = self.new(name + " y contiguous", name + " y contiguous", y.nbytes, region=y.region, dtype=y.dtype)
         self.record(name, [y], [out], _merge_heads_backward)
         return out
 
@@ -152,11 +153,11 @@ class Ops(Pointwise):
         operands = dict(zip(names, (a, b)))
         copied = [k for k, t in operands.items() if t.layout == "heads" and z.b > 1]
         if copied:
-            copies = self.alloc(name + ": copies", *((f"{name} {k} copy", operands[k].nbytes) for k in copied),
-                                region=a.region)
+            copies = self.alloc(name + ": copies", *((f"{name} {k} copy", operands[k].nbytes, operands[k].dtype)
+                                                     for k in copied), region=a.region)
             operands.update(zip(copied, copies))
             del copies
-        out = self.new(name, name + " output", nbytes, region=a.region, layout="head-major")
+        out = self.new(name, name + " output", nbytes, region=a.region, layout="head-major", dtype=a.dtype)
         saved = [(t, f"{name} {k} copy" if k in copied else f"{name} {k}") for k, t in operands.items()]
         self.record(name, [a, b], [out], _matmul_backward, saved=saved, sizes=(a.nbytes, b.nbytes))
         return out
@@ -169,7 +170,8 @@ class Ops(Pointwise):
         if z.core == "math":
             return sdpa_math.forward(self, name, q, k, v)
         out, lse = self.alloc(name + " forward", (name + " output", z.bsh * z.e),
-                              (name + " logsumexp (fp32)", z.b * z.a * z.lse_rows * 4), region=True, layout="sdpa")
+                              (name + " logsumexp (fp32)", z.b * z.a * z.lse_rows * 4, "float32"), region=True,
+                              layout="sdpa", dtype=q.dtype)
         self.record(name, [q, k, v], [out], _sdpa_backward,
                     saved=[(q, "q"), (k, "k"), (v, "v"), (out, name + " output"),
                            (lse, name + " logsumexp (fp32)")])
@@ -179,7 +181,7 @@ class Ops(Pointwise):
 
     def positions(self, name, nbytes):
         """torch.arange(T) in GPT.forward: int64 positions, saved by the position embedding."""
-        return self.new(name, name, nbytes)
+        return self.new(name, name, nbytes, dtype="int64")
 
     def embedding(self, name, rows, ids=None):
         """nn.Embedding(rows, h): a lookup that saves its indices: `ids`, or None for the batch's
@@ -195,10 +197,12 @@ class Ops(Pointwise):
     def cross_entropy(self, name, logits):
         """F.cross_entropy on FP32 logits: log_softmax saves its output, nll_loss its total_weight
         (and the targets: the batch); the loss is one FP32 number."""
-        logp = self.new(name + " log-softmax", "log-softmax output (fp32)", logits.nbytes, region=logits.region)
+        logp = self.new(name + " log-softmax", "log-softmax output (fp32)", logits.nbytes, region=logits.region,
+                        dtype=logits.dtype)
         self.record("log-softmax", [logits], [logp], _pointwise_backward, saved=[(logp, "log-softmax output (fp32)")],
                     nbytes=logp.nbytes)
-        loss, weight = self.alloc(name + " nll", ("loss", 4), ("loss total_weight", 4), region=logp.region)
+        loss, weight = self.alloc(name + " nll", ("loss", 4), ("loss total_weight", 4), region=logp.region,
+                                  dtype="float32")
         self.record("cross-entropy (nll)", [logp], [loss], _pointwise_backward, saved=[(weight, "loss total_weight")],
                     nbytes=logp.nbytes)
         return loss

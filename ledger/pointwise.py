@@ -32,25 +32,26 @@ class Pointwise(Graph):
 
     def power(self, name, x, exponent):
         """x ** exponent: saves x; backward x ** (exponent - 1), * exponent, * the gradient."""
-        out = self.new(name, name + " output", x.nbytes, region=x.region, layout=x.layout)
+        out = self.new(name, name + " output", x.nbytes, region=x.region, layout=x.layout, dtype=x.dtype)
         self.record(name, [x], [out], _chain_backward, saved=[(x, name + " input")], steps=3, nbytes=x.nbytes)
         return out
 
     def rsqrt(self, name, x):
         """1 / sqrt(x): saves its output; backward output ** 3, * -0.5, * the gradient."""
-        out = self.new(name, name + " output", x.nbytes, region=x.region)
+        out = self.new(name, name + " output", x.nbytes, region=x.region, dtype=x.dtype)
         self.record(name, [x], [out], _chain_backward, saved=[(out, name + " output")], steps=3, nbytes=x.nbytes)
         return out
 
     def mean(self, name, x, nbytes):
         """x.mean(-1, keepdim=True) (nbytes: the result's): saves nothing; backward expands the
         gradient (a view) and divides it: one tensor of x's size."""
-        out = self.new(name, name + " output", nbytes, region=x.region)
+        out = self.new(name, name + " output", nbytes, region=x.region, dtype=x.dtype)
         self.record(name, [x], [out], _chain_backward, steps=1, nbytes=x.nbytes)
         return out
 
     def cast(self, name, x, itemsize):
-        """An FP32 x .to() a dtype of `itemsize` bytes: a copy (nothing for FP32); backward casts back."""
+        """An FP32 x .to() the activations' dtype (`itemsize` bytes): a copy (nothing for FP32);
+        backward casts back."""
         if itemsize == 4:
             return x
         out = self.new(name, name + " output", x.nbytes // 4 * itemsize, region=x.region)
@@ -60,7 +61,8 @@ class Pointwise(Graph):
     def mul(self, name, a, b):
         """a * b, b the same size as a or broadcast along its last dimension: saves both; backward
         grad * b for a, then grad * a, summed down to b's size where b is smaller."""
-        out = self.new(name, name + " output", max(a.nbytes, b.nbytes), region=a.region or b.region, layout=a.layout)
+        out = self.new(name, name + " output", max(a.nbytes, b.nbytes), region=a.region or b.region, layout=a.layout,
+                       dtype=a.dtype)
         self.record(name, [a, b], [out], _mul_backward, saved=[(a, name + " a"), (b, name + " b")],
                     sizes=(a.nbytes, b.nbytes))
         return out
@@ -68,7 +70,7 @@ class Pointwise(Graph):
     def by_weight(self, name, x, param):
         """x * a parameter vector (a norm's scale): saves x; backward grad * weight for x, then
         grad * x summed over the tokens (FP32), cast to the parameter's dtype: its .grad."""
-        out = self.new(name, name + " output", x.nbytes, region=x.region)
+        out = self.new(name, name + " output", x.nbytes, region=x.region, dtype=x.dtype)
         self.record(name, [x], [out], _by_weight_backward, saved=[(x, name + " input")], param=param, nbytes=x.nbytes)
         return out
 
@@ -76,7 +78,7 @@ class Pointwise(Graph):
         """An elementwise op (GELU, ReLU, SiLU, x * a Python number, ...): one output; it saves
         its input ("input": GELU, SiLU), its output ("output": ReLU, softmax) or nothing (None)."""
         out = self.new(name, name + " output", x.nbytes if nbytes is None else nbytes, region=x.region,
-                       layout=x.layout)
+                       layout=x.layout, dtype=x.dtype)
         saved = [(x, name + " input")] if saves == "input" else [(out, name + " output")] if saves else []
         self.record(name, [x], [out], _pointwise_backward, saved=saved, nbytes=x.nbytes)
         return out
@@ -99,23 +101,25 @@ class Pointwise(Graph):
     def add(self, name, a, b):
         """a + b (a residual): saves nothing; backward hands the same gradient to both, and sums
         it over the batch for an operand broadcast along it (b smaller than a)."""
-        out = self.new(name, name + " output", a.nbytes, region=a.region or b.region)
+        out = self.new(name, name + " output", a.nbytes, region=a.region or b.region, dtype=a.dtype)
         self.record(name, [a, b], [out], _add_backward, small=b.nbytes if b.nbytes < a.nbytes else None)
         return out
 
     def dropout(self, name, x):
         """F.dropout: nothing at p = 0 (it returns its input). CPU: noise = bernoulli(1-p)/(1-p),
-        then x * noise, whose mul saves the noise; CUDA: one fused native_dropout saving a bool mask."""
+        then x * noise, whose mul saves the noise (x's dtype); CUDA: one fused native_dropout saving a
+        bool mask."""
         z = self.sizes
         if not z.drop:
             return x
         mask_bytes = x.nbytes // z.e * z.mask_bytes
         if z.cuda:
-            mask, out = self.alloc(name, (name + " mask", mask_bytes), (name + " output", x.nbytes), region=x.region,
-                                   layout=x.layout)
+            mask, out = self.alloc(name, (name + " mask", mask_bytes, "bool"), (name + " output", x.nbytes),
+                                   region=x.region, layout=x.layout, dtype=x.dtype)
         else:
-            mask = self.new(name + " noise", name + " mask", mask_bytes, region=x.region)
-            out = self.new(name + " x * noise", name + " output", x.nbytes, region=x.region, layout=x.layout)
+            mask = self.new(name + " noise", name + " mask", mask_bytes, region=x.region, dtype=x.dtype)
+            out = self.new(name + " x * noise", name + " output", x.nbytes, region=x.region, layout=x.layout,
+                           dtype=x.dtype)
         self.record(name, [x], [out], _pointwise_backward, saved=[(mask, name + " mask")], nbytes=x.nbytes)
         return out
 
@@ -123,13 +127,13 @@ class Pointwise(Graph):
         """x.float(): a copy in FP32 (nothing, for an FP32 x)."""
         if self.sizes.e == 4:
             return x
-        out = self.new(name, name + " output", x.nbytes // self.sizes.e * 4, region=x.region)
+        out = self.new(name, name + " output", x.nbytes // self.sizes.e * 4, region=x.region, dtype="float32")
         self.record(name, [x], [out], _to_16_backward, nbytes=x.nbytes)
         return out
 
     def scalar(self, name, x):
         """x * a Python number: a new 4-byte loss; backward multiplies its gradient the same way."""
-        out = self.new(name, name, 4)
+        out = self.new(name, name, 4, dtype="float32")
         self.record(name, [x], [out], _pointwise_backward, nbytes=4)
         return out
 

@@ -21,7 +21,7 @@ def forward(g, name, q, k, v):
     temps, keep = [], {}
     if e != 4:
         q32, k32, v32 = g.alloc(name + " math: q, k, v to fp32", ("q32", bsh * 4), ("k32", bsh * 4),
-                                (name + " math V copy (fp32)", bsh * 4), region=True)
+                                (name + " math V copy (fp32)", bsh * 4), region=True, dtype="float32")
         temps += [q32, k32]
         if one:
             keep["v"] = v32
@@ -32,31 +32,33 @@ def forward(g, name, q, k, v):
         keep["v"] = v  # FP32 already: the view of c_attn's output itself
     if one:  # the scaled q and k are what QK^T saves (walked here both at once)
         keep["q"], keep["k"] = g.alloc(name + " math: q * scale", (name + " math Q copy (fp32)", bsh * 4),
-                                          (name + " math K copy (fp32)", bsh * 4), region=True)
+                                          (name + " math K copy (fp32)", bsh * 4), region=True, dtype="float32")
     else:
-        temps.append(g.new(name + " math: q * scale", "qs", bsh * 4, region=True))
-    tril = g.new(name + " math: causal tril", "tril", z.s * z.s)
-    temps.append(g.new(name + " math: causal bias", "bias", z.s * z.s * 4))  # the mask lives to the end
+        temps.append(g.new(name + " math: q * scale", "qs", bsh * 4, region=True, dtype="float32"))
+    tril = g.new(name + " math: causal tril", "tril", z.s * z.s, dtype="bool")
+    temps.append(g.new(name + " math: causal bias", "bias", z.s * z.s * 4, dtype="float32"))  # the mask lives to the end
     del tril
     ks = None
     if not one:
-        ks = g.new(name + " math: k * scale", "ks", bsh * 4, region=True)
+        ks = g.new(name + " math: k * scale", "ks", bsh * 4, region=True, dtype="float32")
         keep["q"], keep["k"] = g.alloc(name + " QK^T: copies of q, k", (name + " math Q copy (fp32)", bsh * 4),
-                                          (name + " math K copy (fp32)", bsh * 4), region=True)
-    att = g.new(name + " QK^T", "att", A * 4, region=True)
+                                          (name + " math K copy (fp32)", bsh * 4), region=True, dtype="float32")
+    att = g.new(name + " QK^T", "att", A * 4, region=True, dtype="float32")
     del ks  # a temporary of the QK^T expression: gone when it is done
-    att = g.new(name + " + causal bias", "att2", A * 4, region=True)
-    keep["P"] = g.new(name + " softmax", name + " math softmax (fp32)", A * 4, region=True)
+    att = g.new(name + " + causal bias", "att2", A * 4, region=True, dtype="float32")
+    keep["P"] = g.new(name + " softmax", name + " math softmax (fp32)", A * 4, region=True, dtype="float32")
     del att
     keep["mask"] = g.new(name + " attention dropout noise", name + " math dropout mask (fp32)", A * 4,
-                            region=True)
+                            region=True, dtype="float32")
     keep["dropped"] = g.new(name + " attention dropout x * noise", name + " math dropout output (fp32)", A * 4,
-                               region=True)
+                               region=True, dtype="float32")
     if e != 4:  # the math path returns the attention weights too, cast back
         temps.append(g.new(name + " math: weights to 16 bit", "weights16", A * e, region=True))
     if not one:
-        keep["v"], = g.alloc(name + " att@V: copy of v", (name + " math V copy (fp32)", bsh * 4), region=True)
-    y = g.new(name + " att@V", "y32" if e != 4 else name + " output", bsh * 4, region=True, layout="head-major")
+        keep["v"], = g.alloc(name + " att@V: copy of v", (name + " math V copy (fp32)", bsh * 4), region=True,
+                             dtype="float32")
+    y = g.new(name + " att@V", "y32" if e != 4 else name + " output", bsh * 4, region=True, layout="head-major",
+              dtype="float32")
     if e != 4:
         y = g.new(name + " math: output to 16 bit", name + " output", bsh * e, region=True, layout="head-major")
     del temps

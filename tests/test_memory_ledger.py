@@ -48,7 +48,7 @@ def test_every_component_exact(argv):
     cfg, rows, ok, meas = ledger(argv)
     # measured == predicted, to the byte, the walk's peak too; and every saved tensor explained by a term
     exact = all(rows[k][2] == rows[k][1] for k in ml.COMPONENTS + ("peak",))
-    assert exact and ok and not explain.report(cfg, meas["saved_tensors"]), \
+    assert exact and ok and not explain.report(cfg, meas), \
         tool.failure(cfg, rows.values(), meas)
 
 
@@ -137,7 +137,7 @@ def test_the_ledger_names_what_its_description_does_not_explain(monkeypatch, cha
     swapped(monkeypatch, change)
     cfg, rows, ok, meas = ledger(["--precision=bf16"])
     assert not ok and not rows["activations"][4]
-    lines = explain.report(cfg, meas["saved_tensors"])
+    lines = explain.report(cfg, meas)
     said = "\n".join(lines)
     b, s, h, L = cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.n_layer
     bsh = f"bfloat16 ({b}, {s}, {h}), {2 * b * s * h:,} bytes (x{L})"
@@ -148,7 +148,7 @@ def test_the_ledger_names_what_its_description_does_not_explain(monkeypatch, cha
     else:  # one term of each block's MLP is saved no more
         assert any(line.startswith("  described but not saved: mlp.") and "(in each block)" in line
                    for line in lines), said
-    extra, missing = explain.unexplained(cfg, meas["saved_tensors"])
+    extra, missing, _ = explain.unexplained(cfg, meas["saved_tensors"])
     assert sum(s.nbytes for s in extra) - sum(t.nbytes for _, t in missing) == \
         rows["activations"][2] - rows["activations"][1]  # the report accounts for the whole difference
     words = tool.failure(cfg, rows.values(), meas)
@@ -177,7 +177,7 @@ def test_a_description_that_follows_the_change_is_exact_again(monkeypatch):
         for argv in (["--precision=bf16"], ["--precision=fp32", "--ckpt=full", "--dropout=0.1"]):
             cfg, rows, ok, meas = ledger(argv)
             assert ok and rows["peak"][1] == rows["peak"][2], tool.failure(cfg, rows.values(), meas)
-            assert not explain.report(cfg, meas["saved_tensors"])
+            assert not explain.report(cfg, meas)
     finally:
         ml._census.cache_clear()
 
