@@ -78,16 +78,16 @@ def state_differences(cfg, named):
         for name in sorted(set(model) | set(described[kind]), key=_natural):
             (shape, n), d = model.get(name, (None, None)), described[kind].get(name)
             if n != d:
-                key = (_blocks(name), shape and " x ".join(map(str, shape)), n, d)
+                key = (_blocks(name), " x ".join(map(str, shape)) + ": " if shape and len(shape) > 1 else "", n, d)
                 counted[key] = counted.get(key, 0) + 1
         for (name, shape, n, d), blocks in counted.items():
             times = f" x {blocks} block{'s' if blocks > 1 else ''}" if name.startswith("h.*") else ""
             if d is None:
-                lines.append(f"  {name}: in the model, not described ({shape}: {n:,}{unit}{times})")
+                lines.append(f"  {name}: in the model, not described ({shape}{n:,}{unit}{times})")
             elif n is None:
                 lines.append(f"  {name}: described, not in the model ({d:,}{unit}{times})")
             else:
-                lines.append(f"  {name}: {shape} in the model ({n:,}{unit}), described {d:,}{unit}" +
+                lines.append(f"  {name}: {shape}{n:,}{unit} in the model, described {d:,}{unit}" +
                              (f" ({times[1:]})" if times else ""))
     return lines
 

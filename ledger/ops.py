@@ -127,12 +127,20 @@ class Ops(Pointwise):
 
     # ---------------------------------------------------------------- attention
 
-    def split_heads(self, name, qkv):
-        """qkv.split(C, dim=2) and each .view(B, T, a, d).transpose(1, 2): three (B, a, T, d) views."""
-        third = qkv.nbytes // 3
-        q, k, v = (qkv.view(third, "heads") for _ in range(3))
-        self.record(name, [qkv], [q, k, v], _split_heads_backward)
+    def split_heads(self, name, qkv, sizes=None):
+        """qkv.split(C, dim=2) and each .view(B, T, a, d).transpose(1, 2): three (B, a, T, d) views.
+        sizes: the three's bytes where they differ (grouped-query attention's k and v: fewer heads)."""
+        sizes = sizes or (qkv.nbytes // 3,) * 3
+        q, k, v = (qkv.view(n, "heads") for n in sizes)
+        self.record(name, [qkv], [q, k, v], _split_heads_backward, sizes=sizes)
         return q, k, v
+
+    def repeat_heads(self, name, x, times, heads):
+        """x.repeat_interleave(times, dim=1) of `heads` (B, heads, T, d) heads: a head-major copy,
+        nothing saved; backward sums the copies' gradients back to x's size (ExpandBackward0)."""
+        out = self.new(name, name + " output", x.nbytes * times, region=x.region, layout="head-major", dtype=x.dtype)
+        self.record(name, [x], [out], _repeat_heads_backward, nbytes=x.nbytes, heads=heads)
+        return out
 
     def merge_heads(self, name, y):
         """y.transpose(1, 2).contiguous().view(B, T, C): a copy of a head-major output; sdpa's
@@ -256,19 +264,23 @@ def _embedding_backward(g, node, grads):
 
 def _split_heads_backward(g, node, grads):
     """dq, dk, dv back to (B, T, C) and concatenated into c_attn's output gradient. The fused
-    kernels hand theirs back in that layout already; the bmm's head-major dq and dk take a
-    copy each first."""
-    z = g.sizes
-    bsh = z.bsh * z.e
-    if grads[0].layout != "head-major":
-        return [g.new("q, k, v gradients: cat", "dqkv", 3 * bsh, region=True)]
-    dk = g.new("dk to (B, T, C)", "dk (B, T, C)", bsh, region=True)
-    grads[1] = None
-    dq = g.new("dq to (B, T, C)", "dq (B, T, C)", bsh, region=True)
-    dqkv = g.new("q, k, v gradients: cat", "dqkv", 3 * bsh, region=True)
+    kernels hand theirs back in that layout already; a head-major gradient (the bmm's dq and dk)
+    takes a copy first, k's before q's, and the head-major dk goes at once, dq after the cat."""
+    copies = []
+    for i in (1, 0):
+        if grads[i] is not None and grads[i].layout == "head-major":
+            copies.append(g.new(f"d{'qk'[i]} to (B, T, C)", f"d{'qk'[i]} (B, T, C)", grads[i].nbytes, region=True))
+            grads[i] = None if i == 1 else grads[i]
+    dqkv = g.new("q, k, v gradients: cat", "dqkv", sum(node.ctx["sizes"]), region=True)
     grads[0] = None
-    del dk, dq
+    del copies
     return [dqkv]
+
+
+def _repeat_heads_backward(g, node, grads):
+    """The sum over the copies: x's size, a view of (B, T, d) where x had one head."""
+    layout = "rows" if node.ctx["heads"] == 1 else "head-major"
+    return [g.new(node.name + " backward: sum", node.name + " dx", node.ctx["nbytes"], region=True, layout=layout)]
 
 
 def _merge_heads_backward(g, node, grads):

@@ -54,9 +54,10 @@ def step_collectives(cfg, shard, world):
       FSDP    each block all-gathered in forward and again in backward, the root (embeddings, the
               tied head, ln_f) once: FSDP2 keeps the root gathered from forward to backward; every
               gradient reduce-scattered; padded per parameter: 2 Psi_all + Psi_blocks; the norm: 2
-    The paper's 3 Psi for ZeRO-3 is the FSDP line with every parameter in a block. What a run adds
-    on top, whatever the sharding: FP8's amax all-reduce (fp8.fold_amax: the max over ranks of each
-    FP8 Linear's step_amax, 3 per layer), and loss_norm=tokens' token count (one int64)."""
+    The paper's 3 Psi for ZeRO-3 is the FSDP line with every parameter in a block. What a precision
+    adds, whatever the sharding: FP8's amax all-reduce (fp8.fold_amax: the max over ranks of each FP8
+    Linear's step_amax, 3 per layer). (The ledger's step averages the loss per micro-step, as
+    accumulate.accumulation_step does by default: no token count is all-reduced.)"""
     P = sum(math.prod(s) for s in param_shapes(cfg))
     if shard == "none":
         out = [("the gradient's all-reduce", 2 * P)]
@@ -73,7 +74,6 @@ def step_collectives(cfg, shard, world):
     if world > 1:
         amax = sum(m.step_amax.numel() for m in fp8.layers(meta_model(cfg)) if isinstance(m, fp8.FP8Linear))
         out += [("FP8's amax all-reduce", 2 * amax)] if amax else []
-        out += [("the token count's all-reduce", 2)] if cfg.loss_norm == "tokens" else []
     return out
 
 
