@@ -136,7 +136,7 @@ def _collect(folder, jobs, codes, ended):
             out.append(None)
         elif failed:
             _, _, rank, error = failed[0]
-            where = f", {SHARD_NAMES[error['shard']]}" if error["shard"] else ""
+            where = f", {SHARD_NAMES.get(error['shard'], error['shard'])}" if error["shard"] else ""
             out.append(f"the sharded rows' {RANKS} processes failed: rank {rank}{where}: {error['line']}")
         else:
             out.append({shard: [said[r]["done"][i][shard] for r in range(RANKS)] for shard in shards})

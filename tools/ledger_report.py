@@ -69,7 +69,7 @@ def format_papers(korthikanti, zero):
 def svg(rows, title):
     """Stacked horizontal bars, one per technique, hand-written SVG."""
     total = lambda c: sum(c[k] for k in KEYS)
-    top = max(total(c) for _, c, _ in rows) or 1
+    top = max((total(c) for _, c, _ in rows), default=0) or 1
     W, left, bar, gap, head = 900, 260, 18, 8, 50
     H = head + len(rows) * (bar + gap) + 40
     scale = (W - left - 120) / top
