@@ -58,7 +58,8 @@ def rmsnorm_named(cfg):
             f"  ln_f.bias: described, not in the model ({h})",
             f"  unexplained, saved by h.*.ln_1 (MulBackward0, PowBackward0): float32 ({b}, {s}, {h}), "
             f"{4 * b * s * h:,} bytes (x{L})",
-            f"  described but not saved: ln_1 input, bfloat16, {2 * b * s * h:,} bytes (in each block) (x{L})"]
+            f"  described but not saved: ln_1 input, bfloat16, {2 * b * s * h:,} bytes (in each block) (x{L})",
+            f"  described but not saved: ln_f input, bfloat16, {2 * b * s * h:,} bytes"]  # not the head's input
 
 
 # ---------------------------------------------------------------- a SwiGLU MLP: w1, w2, w3
