@@ -101,15 +101,21 @@ def run_ranks(jobs):
                 procs.append(subprocess.Popen([sys.executable, __file__, f"--jobs={folder / 'jobs.json'}",
                                                f"--into={folder}"], stdout=log, stderr=subprocess.STDOUT, env=env))
         failed_at = None
-        while any(p.poll() is None for p in procs):
-            if failed_at is None and any(p.poll() for p in procs):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > GRACE:
-                for rank, p in enumerate(procs):
-                    if p.poll() is None:
-                        p.kill()
-                        ended.add(rank)
-            time.sleep(0.05)
+        try:
+            while any(p.poll() is None for p in procs):
+                if failed_at is None and any(p.poll() for p in procs):
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() - failed_at > GRACE:
+                    for rank, p in enumerate(procs):
+                        if p.poll() is None:
+                            p.kill()
+                            ended.add(rank)
+                time.sleep(0.05)
+        finally:  # Ctrl-C here, or anything else: no rank outlives the parent that started it
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         return _collect(folder, jobs, [p.returncode for p in procs], ended)
 
 
