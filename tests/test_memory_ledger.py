@@ -162,6 +162,20 @@ def test_the_ledger_names_what_its_description_does_not_explain(monkeypatch, cha
     assert said in tool.format_comparison(cfg, list(rows.values()), meas)  # `make ledger` prints it too
 
 
+def test_every_component_that_differs_is_named(monkeypatch):
+    """Recompute units the description's plan does not have (its plan says none; the model runs ckpt=full):
+    the RNG states they keep are named with their count, and the unit inputs the units keep are saved."""
+    real = ml.plan
+    monkeypatch.setattr(ml, "plan", lambda cfg: real(replace(cfg, ckpt="none")))
+    cfg, rows, ok, meas = ledger(["--precision=bf16", "--ckpt=full"])
+    per_state = torch.get_rng_state().numel()
+    lines = explain.report(cfg, meas)
+    assert not ok and f"  rng_states: predicted 0 bytes, measured {cfg.n_layer * per_state:,}: the step's graph " \
+        f"holds {cfg.n_layer} RNG states of {per_state:,} bytes (checkpoint.Unit.rng: one per recompute unit); the " \
+        f"description's plan (memory_ledger.plan) 0" in lines, "\n".join(lines)
+    assert any(line.startswith("  unexplained, saved by GPT.forward (RerunNodeBackward)") for line in lines), lines
+
+
 def test_a_description_that_follows_the_change_is_exact_again(monkeypatch):
     """The loop the report is for: change model.Block (its ln_1 gated by its own sigmoid), change the
     description beside it (the same two ops after the norm: the sigmoid saves its output, the
