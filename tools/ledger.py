@@ -288,6 +288,8 @@ def program(argv):
     check_writable(path.parent, "--out_dir")
     try:
         meas = run_config(cfg, device)
+    except (UsageError, RunError):
+        raise  # a shape this machine cannot hold (ledger/run.check_fits), said as such
     except ValueError as e:
         raise UsageError(str(e)) from None
     except Exception as e:  # noqa: BLE001  (the model's own step failed: nothing to compare)
