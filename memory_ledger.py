@@ -156,7 +156,7 @@ def sizes(cfg):
                  loss_scaled=rec.loss_scaling != "none", fp8=rec.fp8.backend if rec.fp8 else None,
                  fp8_e5m2=rec.fp8 is not None and rec.fp8.grad == "e5m2",
                  fp8_history=rec.fp8.history if rec.fp8 else 16,
-                 rerun_stops_early=checkpoint.rerun_stops_early(cfg, rec))
+                 rerun_stops_early=checkpoint.rerun_stops_early(cfg, rec), dtype=str(rec.param_dtype)[len("torch."):])
 
 
 def plan(cfg):
@@ -180,6 +180,7 @@ class Term:
     scope: object
     region: bool
     role: str = None
+    dtype: str = None  # torch's name for it: what ledger/explain.py matches a measured tensor by, with its module
 
 
 @functools.lru_cache(maxsize=256)
@@ -196,7 +197,7 @@ def _census(z, paths):
     with g.within("", "head"):
         loss = head(g, x)
     del x
-    terms = tuple(Term(e.term, e.nbytes, e.scope, e.region, e.role) for e in g.walk.live.values() if e.saved)
+    terms = tuple(Term(e.term, e.nbytes, e.scope, e.region, e.role, e.dtype) for e in g.walk.live.values() if e.saved)
     del loss
     return terms, g.declared, block_input
 
@@ -220,15 +221,15 @@ def activation_terms(cfg):
     the blocks of each kind (which submodules are units: block_kinds) times their number, one input per
     block unit. One block is described per kind, the policy says how many of each."""
     p = plan(cfg)
-    out = {}  # name -> [blocks, bytes, a Term]
+    out, blocks = {}, {}
     for paths, n in block_kinds(cfg).items():
-        for name in dict.fromkeys(t.name for t in block_activation_terms(cfg, paths)):
-            out.setdefault(name, [0, 0, None])[0] += n  # a block that saves two storages under one name: once
         for t in block_activation_terms(cfg, paths):
-            out[t.name][1] += n * t.nbytes
-            out[t.name][2] = t
-    terms = [Term(f"{name} (x{count} blocks)", total, "blocks", t.region, t.role) for name, (count, total, t)
-             in out.items()]
+            count, total, _ = out.get(t.name, (0, 0, t))  # a name may hold two storages of a block
+            out[t.name] = (count + n, total + n * t.nbytes, t)
+            blocks.setdefault(t.name, {})[paths] = n
+    terms = [Term(f"{name} (x{count} blocks)" if count == sum(blocks[name].values()) else
+                  f"{name} (x{count} in {sum(blocks[name].values())} blocks)", total, "blocks", t.region, t.role)
+             for name, (count, total, t) in out.items()]
     if p.units:
         terms.append(Term(f"unit inputs ({len(p.units)} x bsh)", len(p.units) * census(cfg)[2], "units", False))
     return terms + outside_terms(cfg)

@@ -4,6 +4,7 @@ stands on, and what puts its numbers to work. Read memory_ledger.py first.
   walk.py      the engine: runs a description of the model op by op, holding memory as
                PyTorch holds it, and walks one training step for its peak
   ops.py       the ops the description is written in: what each saves and allocates
+  pointwise.py the elementwise ones among them (add, dropout, GELU, mul, nn.RMSNorm's)
   fp8_ops.py   our FP8Linear (fp8.py) as one of those ops
   sdpa_math.py torch's math path for sdpa (CPU with dropout), another
   step.py      accumulate.py's step around the model: the loss, backward, the optimizer

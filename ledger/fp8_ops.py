@@ -26,19 +26,20 @@ def linear(g, name, x, n_in, n_out, region):
     z = g.sizes
     M, w = z.b * z.s, n_in * n_out
     g.declare("fp8 weight", name, w)
-    if z.fp8 == "native":  # amax_history (H, 3), scale, step_amax and fp8_max (3,) each: FP32 buffers
-        g.declare("buffer", name + " amax and scales", 4 * (3 * z.fp8_history + 9))
-    amax = g.new(name + " amax", name + " amax", 8)
-    scales = g.new(name + " scales", name + " FP8 scales", 8)
+    if z.fp8 == "native":  # FP32 buffers: amax_history (H, 3), scale, step_amax and fp8_max (3,) each
+        for buffer, nbytes in (("amax_history", 12 * z.fp8_history), ("scale", 12), ("step_amax", 12), ("fp8_max", 12)):
+            g.declare("buffer", f"{name}.{buffer}", nbytes)
+    amax = g.new(name + " amax", name + " amax", 8, dtype="float32")
+    scales = g.new(name + " scales", name + " FP8 scales", 8, dtype="float32")
     makes_copy = z.fp8 == "native" and g.prefix + name not in g.kept
     if makes_copy:
         w32 = g.new(name + " W * scale (fp32)", name + " W fp32", 4 * w)
-        w8 = g.new(name + " W to e4m3 (kept)", name + " E4M3 weight (kept)", w)
+        w8 = g.new(name + " W to e4m3 (kept)", name + " E4M3 weight (kept)", w, dtype="float8_e4m3fn")
         del w32
         g.keep(name, weight=w8, amax=amax, scales=scales)
         del w8
     x32 = g.new(name + " x * scale (fp32)", name + " x fp32", 4 * M * n_in, region=x.region)
-    x8 = g.new(name + " x to e4m3", name + " input (E4M3)", M * n_in, region=x.region)
+    x8 = g.new(name + " x to e4m3", name + " input (E4M3)", M * n_in, region=x.region, dtype="float8_e4m3fn")
     del x32
     out = scaled_mm(g, name + " forward", M * n_in, w, lambda where: g.new(where, name + " output", M * n_out * z.e,
                                                                             region=region), z.bias)

@@ -17,9 +17,7 @@ import math
 from dataclasses import dataclass
 
 from ledger import fp8_ops, sdpa_math
-from ledger.walk import Graph
-
-NORM = "normalization"  # the role of what a norm layer saves (ledger/papers.py sets it beside the paper's)
+from ledger.pointwise import NORM, Pointwise, _pointwise_backward
 
 
 @dataclass(frozen=True)
@@ -41,6 +39,7 @@ class Sizes:
     fp8_e5m2: bool = False  # the FP8 backward quantizes the output gradient to E5M2 (fp8_grad=e5m2)
     fp8_history: int = 16  # amax history length of our FP8Linear's buffers
     rerun_stops_early: bool = True  # a recompute unit's re-run stops after its last saved tensor
+    dtype: str = None  # the activations' dtype, by torch's name ("float32", "bfloat16", "float16")
 
     @property
     def bsh(self):
@@ -78,10 +77,11 @@ class Sizes:
         return 32 * math.ceil(self.s / 32) if (self.cuda and self.e == 4) else self.s
 
 
-class Ops(Graph):
-    """The Graph with PyTorch's ops: the description calls these (g.layer_norm(...), ...)."""
+class Ops(Pointwise):
+    """The Graph with PyTorch's ops: the description calls these (g.layer_norm(...), ...); the
+    elementwise ones (add, dropout, gelu, mul, nn.RMSNorm's, ...) are ledger/pointwise.py's."""
 
-    # ---------------------------------------------------------------- norms, pointwise ops
+    # ---------------------------------------------------------------- the norm
 
     def layer_norm(self, name, x):
         """nn.LayerNorm: native_layer_norm saves its input and the per-token mean and rstd."""
@@ -89,116 +89,12 @@ class Ops(Graph):
         self.declare("param", name + ".weight", z.h)
         if z.bias:
             self.declare("param", name + ".bias", z.h)  # vectors: replicated under TP, no weight decay
-        stats = z.b * z.s * z.stat_bytes
-        mean, rstd, out = self.alloc(name, (name + " mean", stats), (name + " rstd", stats),
-                                     (name + " output", x.nbytes), region=x.region)
+        stats, stat = z.b * z.s * z.stat_bytes, "float32" if z.cuda else x.dtype
+        mean, rstd, out = self.alloc(name, (name + " mean", stats, stat), (name + " rstd", stats, stat),
+                                     (name + " output", x.nbytes), region=x.region, dtype=x.dtype)
         with self.kept_by(NORM):
             self.record(name, [x], [out], _norm_backward, saved=[(x, name + " input"), (mean, name + " mean"),
                                                                   (rstd, name + " rstd")], nbytes=x.nbytes)
-        return out
-
-    def rms_norm(self, name, x):
-        """nn.RMSNorm, as torch's composite runs it on CPU (rms_norm in aten's layer_norm.cpp;
-        torch/_decomp/decompositions.py writes the same): x in FP32, pow(2), mean, + eps in
-        place, rsqrt, x * rstd, * weight, back to x's dtype. It keeps x in FP32, rstd and the
-        normalized x, all FP32. (On CUDA torch may fuse it, keeping x and rstd: not measured here.)"""
-        z = self.sizes
-        self.declare("param", name + ".weight", z.h)
-        with self.kept_by(NORM):
-            x32 = self.to_fp32(name + " x.float()", x)
-            rstd = self.rsqrt(name + " rsqrt", self.mean(name + " mean", self.power(name + " pow", x32, 2),
-                                                          4 * z.b * z.s))
-            return self.cast(name + " type_as", self.by_weight(name + " * weight",
-                                                               self.mul(name + " x * rstd", x32, rstd),
-                                                               name + ".weight"), z.e)
-
-    def power(self, name, x, exponent):
-        """x ** exponent: saves x; backward x ** (exponent - 1), * exponent, * the gradient."""
-        out = self.new(name, name + " output", x.nbytes, region=x.region, layout=x.layout)
-        self.record(name, [x], [out], _chain_backward, saved=[(x, name + " input")], steps=3, nbytes=x.nbytes)
-        return out
-
-    def rsqrt(self, name, x):
-        """1 / sqrt(x): saves its output; backward output ** 3, * -0.5, * the gradient."""
-        out = self.new(name, name + " output", x.nbytes, region=x.region)
-        self.record(name, [x], [out], _chain_backward, saved=[(out, name + " output")], steps=3, nbytes=x.nbytes)
-        return out
-
-    def mean(self, name, x, nbytes):
-        """x.mean(-1, keepdim=True) (nbytes: the result's): saves nothing; backward expands the
-        gradient (a view) and divides it: one tensor of x's size."""
-        out = self.new(name, name + " output", nbytes, region=x.region)
-        self.record(name, [x], [out], _chain_backward, steps=1, nbytes=x.nbytes)
-        return out
-
-    def cast(self, name, x, itemsize):
-        """An FP32 x .to() a dtype of `itemsize` bytes: a copy (nothing for FP32); backward casts back."""
-        if itemsize == 4:
-            return x
-        out = self.new(name, name + " output", x.nbytes // 4 * itemsize, region=x.region)
-        self.record(name, [x], [out], _chain_backward, steps=1, nbytes=x.nbytes)
-        return out
-
-    def mul(self, name, a, b):
-        """a * b, b the same size as a or broadcast along its last dimension: saves both; backward
-        grad * b for a, then grad * a, summed down to b's size where b is smaller."""
-        out = self.new(name, name + " output", max(a.nbytes, b.nbytes), region=a.region or b.region, layout=a.layout)
-        self.record(name, [a, b], [out], _mul_backward, saved=[(a, name + " a"), (b, name + " b")],
-                    sizes=(a.nbytes, b.nbytes))
-        return out
-
-    def by_weight(self, name, x, param):
-        """x * a parameter vector (a norm's scale): saves x; backward grad * weight for x, then
-        grad * x summed over the tokens (FP32), cast to the parameter's dtype: its .grad."""
-        out = self.new(name, name + " output", x.nbytes, region=x.region)
-        self.record(name, [x], [out], _by_weight_backward, saved=[(x, name + " input")], param=param, nbytes=x.nbytes)
-        return out
-
-    def pointwise(self, name, x, saves="input", nbytes=None):
-        """An elementwise op (GELU, ReLU, SiLU, x * a Python number, ...): one output; it saves
-        its input ("input": GELU, SiLU), its output ("output": ReLU, softmax) or nothing (None)."""
-        out = self.new(name, name + " output", x.nbytes if nbytes is None else nbytes, region=x.region,
-                       layout=x.layout)
-        saved = [(x, name + " input")] if saves == "input" else [(out, name + " output")] if saves else []
-        self.record(name, [x], [out], _pointwise_backward, saved=saved, nbytes=x.nbytes)
-        return out
-
-    def gelu(self, name, x):
-        return self.pointwise(name, x, saves="input")
-
-    def silu(self, name, x):
-        return self.pointwise(name, x, saves="input")
-
-    def softmax(self, name, x):
-        return self.pointwise(name, x, saves="output")
-
-    def masked_fill(self, name, x, buffer, nbytes):
-        """x.masked_fill(mask, value): saves the mask, here a view of a buffer of the module's
-        (`buffer`, nbytes: declared here), so nothing new; a new output."""
-        self.declare("buffer", buffer, nbytes)
-        return self.pointwise(name, x, saves=None)
-
-    def add(self, name, a, b):
-        """a + b (a residual): saves nothing; backward hands the same gradient to both, and sums
-        it over the batch for an operand broadcast along it (b smaller than a)."""
-        out = self.new(name, name + " output", a.nbytes, region=a.region or b.region)
-        self.record(name, [a, b], [out], _add_backward, small=b.nbytes if b.nbytes < a.nbytes else None)
-        return out
-
-    def dropout(self, name, x):
-        """F.dropout: nothing at p = 0 (it returns its input). CPU: noise = bernoulli(1-p)/(1-p),
-        then x * noise, whose mul saves the noise; CUDA: one fused native_dropout saving a bool mask."""
-        z = self.sizes
-        if not z.drop:
-            return x
-        mask_bytes = x.nbytes // z.e * z.mask_bytes
-        if z.cuda:
-            mask, out = self.alloc(name, (name + " mask", mask_bytes), (name + " output", x.nbytes), region=x.region,
-                                   layout=x.layout)
-        else:
-            mask = self.new(name + " noise", name + " mask", mask_bytes, region=x.region)
-            out = self.new(name + " x * noise", name + " output", x.nbytes, region=x.region, layout=x.layout)
-        self.record(name, [x], [out], _pointwise_backward, saved=[(mask, name + " mask")], nbytes=x.nbytes)
         return out
 
     # ---------------------------------------------------------------- Linears
@@ -231,12 +127,20 @@ class Ops(Graph):
 
     # ---------------------------------------------------------------- attention
 
-    def split_heads(self, name, qkv):
-        """qkv.split(C, dim=2) and each .view(B, T, a, d).transpose(1, 2): three (B, a, T, d) views."""
-        third = qkv.nbytes // 3
-        q, k, v = (qkv.view(third, "heads") for _ in range(3))
-        self.record(name, [qkv], [q, k, v], _split_heads_backward)
+    def split_heads(self, name, qkv, sizes=None):
+        """qkv.split(C, dim=2) and each .view(B, T, a, d).transpose(1, 2): three (B, a, T, d) views.
+        sizes: the three's bytes where they differ (grouped-query attention's k and v: fewer heads)."""
+        sizes = sizes or (qkv.nbytes // 3,) * 3
+        q, k, v = (qkv.view(n, "heads") for n in sizes)
+        self.record(name, [qkv], [q, k, v], _split_heads_backward, sizes=sizes)
         return q, k, v
+
+    def repeat_heads(self, name, x, times, heads):
+        """x.repeat_interleave(times, dim=1) of `heads` (B, heads, T, d) heads: a head-major copy,
+        nothing saved; backward sums the copies' gradients back to x's size (ExpandBackward0)."""
+        out = self.new(name, name + " output", x.nbytes * times, region=x.region, layout="head-major", dtype=x.dtype)
+        self.record(name, [x], [out], _repeat_heads_backward, nbytes=x.nbytes, heads=heads)
+        return out
 
     def merge_heads(self, name, y):
         """y.transpose(1, 2).contiguous().view(B, T, C): a copy of a head-major output; sdpa's
@@ -244,7 +148,7 @@ class Ops(Graph):
         if y.layout == "sdpa":
             out = y.view(layout="rows")
         else:
-            out = self.new(name + " y contiguous", name + " y contiguous", y.nbytes, region=y.region)
+            out = self.new(name + " y contiguous", name + " y contiguous", y.nbytes, region=y.region, dtype=y.dtype)
         self.record(name, [y], [out], _merge_heads_backward)
         return out
 
@@ -257,11 +161,11 @@ class Ops(Graph):
         operands = dict(zip(names, (a, b)))
         copied = [k for k, t in operands.items() if t.layout == "heads" and z.b > 1]
         if copied:
-            copies = self.alloc(name + ": copies", *((f"{name} {k} copy", operands[k].nbytes) for k in copied),
-                                region=a.region)
+            copies = self.alloc(name + ": copies", *((f"{name} {k} copy", operands[k].nbytes, operands[k].dtype)
+                                                     for k in copied), region=a.region)
             operands.update(zip(copied, copies))
             del copies
-        out = self.new(name, name + " output", nbytes, region=a.region, layout="head-major")
+        out = self.new(name, name + " output", nbytes, region=a.region, layout="head-major", dtype=a.dtype)
         saved = [(t, f"{name} {k} copy" if k in copied else f"{name} {k}") for k, t in operands.items()]
         self.record(name, [a, b], [out], _matmul_backward, saved=saved, sizes=(a.nbytes, b.nbytes))
         return out
@@ -274,7 +178,8 @@ class Ops(Graph):
         if z.core == "math":
             return sdpa_math.forward(self, name, q, k, v)
         out, lse = self.alloc(name + " forward", (name + " output", z.bsh * z.e),
-                              (name + " logsumexp (fp32)", z.b * z.a * z.lse_rows * 4), region=True, layout="sdpa")
+                              (name + " logsumexp (fp32)", z.b * z.a * z.lse_rows * 4, "float32"), region=True,
+                              layout="sdpa", dtype=q.dtype)
         self.record(name, [q, k, v], [out], _sdpa_backward,
                     saved=[(q, "q"), (k, "k"), (v, "v"), (out, name + " output"),
                            (lse, name + " logsumexp (fp32)")])
@@ -284,7 +189,7 @@ class Ops(Graph):
 
     def positions(self, name, nbytes):
         """torch.arange(T) in GPT.forward: int64 positions, saved by the position embedding."""
-        return self.new(name, name, nbytes)
+        return self.new(name, name, nbytes, dtype="int64")
 
     def embedding(self, name, rows, ids=None):
         """nn.Embedding(rows, h): a lookup that saves its indices: `ids`, or None for the batch's
@@ -297,36 +202,22 @@ class Ops(Graph):
         self.record(name, [], [out], _embedding_backward, saved=saved, rows=rows)
         return out
 
-    def to_fp32(self, name, x):
-        """x.float(): a copy in FP32 (nothing, for an FP32 x)."""
-        if self.sizes.e == 4:
-            return x
-        out = self.new(name, name + " output", x.nbytes // self.sizes.e * 4, region=x.region)
-        self.record(name, [x], [out], _to_16_backward, nbytes=x.nbytes)
-        return out
-
     def cross_entropy(self, name, logits):
         """F.cross_entropy on FP32 logits: log_softmax saves its output, nll_loss its total_weight
         (and the targets: the batch); the loss is one FP32 number."""
-        logp = self.new(name + " log-softmax", "log-softmax output (fp32)", logits.nbytes, region=logits.region)
+        logp = self.new(name + " log-softmax", "log-softmax output (fp32)", logits.nbytes, region=logits.region,
+                        dtype=logits.dtype)
         self.record("log-softmax", [logits], [logp], _pointwise_backward, saved=[(logp, "log-softmax output (fp32)")],
                     nbytes=logp.nbytes)
-        loss, weight = self.alloc(name + " nll", ("loss", 4), ("loss total_weight", 4), region=logp.region)
+        loss, weight = self.alloc(name + " nll", ("loss", 4), ("loss total_weight", 4), region=logp.region,
+                                  dtype="float32")
         self.record("cross-entropy (nll)", [logp], [loss], _pointwise_backward, saved=[(weight, "loss total_weight")],
                     nbytes=logp.nbytes)
         return loss
 
-    def scalar(self, name, x):
-        """x * a Python number: a new 4-byte loss; backward multiplies its gradient the same way."""
-        out = self.new(name, name, 4)
-        self.record(name, [x], [out], _pointwise_backward, nbytes=4)
-        return out
-
 
 # ---------------------------------------------------------------- the backward rules
 
-def _pointwise_backward(g, node, grads):
-    return [g.new(node.name + " backward", node.name + " dx", node.ctx["nbytes"], region=grads[0].region)]
 
 
 def _norm_backward(g, node, grads):
@@ -338,19 +229,14 @@ def _norm_backward(g, node, grads):
     return [dx]
 
 
-def _add_backward(g, node, grads):
-    if node.ctx["small"] is None:
-        return [grads[0], grads[0]]
-    summed = g.new(node.name + " backward: sum over the batch", node.name + " dsmall", node.ctx["small"])
-    return [grads[0], summed]
-
-
 def _linear_backward(g, node, grads):
     z = g.sizes
     M, n_in, n_out = z.b * z.s, node.ctx["n_in"], node.ctx["n_out"]
     dx = g.new(node.name + " backward: dx", node.name + " dx", M * n_in * z.e, region=grads[0].region)
     g.param_grad(node.name + " backward: dW", node.name + ".weight", n_out * n_in * z.e)
     if z.bias:
+        if node.slots:  # in a recompute unit the unpacked x dies with AddmmBackward0, before the engine sums db
+            node.release()
         g.param_grad(node.name + " backward: db", node.name + ".bias", n_out * z.e)
     return [dx]
 
@@ -360,10 +246,6 @@ def _tied_head_backward(g, node, grads):
     g.param_grad(node.name + " backward: d " + node.ctx["weight"], node.ctx["weight"],
                  node.ctx["n_out"] * z.h * z.e)
     return [g.new(node.name + " backward: dx", node.name + " dx", node.ctx["nbytes"])]
-
-
-def _to_16_backward(g, node, grads):
-    return [g.new(node.name + " backward", node.name + " dx", node.ctx["nbytes"], region=grads[0].region)]
 
 
 def _embedding_backward(g, node, grads):
@@ -382,19 +264,23 @@ def _embedding_backward(g, node, grads):
 
 def _split_heads_backward(g, node, grads):
     """dq, dk, dv back to (B, T, C) and concatenated into c_attn's output gradient. The fused
-    kernels hand theirs back in that layout already; the bmm's head-major dq and dk take a
-    copy each first."""
-    z = g.sizes
-    bsh = z.bsh * z.e
-    if grads[0].layout != "head-major":
-        return [g.new("q, k, v gradients: cat", "dqkv", 3 * bsh, region=True)]
-    dk = g.new("dk to (B, T, C)", "dk (B, T, C)", bsh, region=True)
-    grads[1] = None
-    dq = g.new("dq to (B, T, C)", "dq (B, T, C)", bsh, region=True)
-    dqkv = g.new("q, k, v gradients: cat", "dqkv", 3 * bsh, region=True)
+    kernels hand theirs back in that layout already; a head-major gradient (the bmm's dq and dk)
+    takes a copy first, k's before q's, and the head-major dk goes at once, dq after the cat."""
+    copies = []
+    for i in (1, 0):
+        if grads[i] is not None and grads[i].layout == "head-major":
+            copies.append(g.new(f"d{'qk'[i]} to (B, T, C)", f"d{'qk'[i]} (B, T, C)", grads[i].nbytes, region=True))
+            grads[i] = None if i == 1 else grads[i]
+    dqkv = g.new("q, k, v gradients: cat", "dqkv", sum(node.ctx["sizes"]), region=True)
     grads[0] = None
-    del dk, dq
+    del copies
     return [dqkv]
+
+
+def _repeat_heads_backward(g, node, grads):
+    """The sum over the copies: x's size, a view of (B, T, d) where x had one head."""
+    layout = "rows" if node.ctx["heads"] == 1 else "head-major"
+    return [g.new(node.name + " backward: sum", node.name + " dx", node.ctx["nbytes"], region=True, layout=layout)]
 
 
 def _merge_heads_backward(g, node, grads):
@@ -417,34 +303,3 @@ def _matmul_backward(g, node, grads):
 def _sdpa_backward(g, node, grads):
     bsh = g.sizes.bsh * g.sizes.e
     return g.alloc(node.name + " backward", ("dq", bsh), ("dk", bsh), ("dv", bsh), region=True, layout="sdpa")
-
-
-def _chain_backward(g, node, grads):
-    """A gradient made in `steps` elementwise ops, each result replacing the one before."""
-    out = None
-    for i in range(node.ctx["steps"]):
-        out = g.new(node.name + " backward", node.name + f" d{i}", node.ctx["nbytes"], region=grads[0].region)
-    return [out]
-
-
-def _mul_backward(g, node, grads):
-    a_bytes, b_bytes = node.ctx["sizes"]
-    da = g.new(node.name + " backward: d a", node.name + " da", a_bytes, region=grads[0].region)
-    db = g.new(node.name + " backward: d b", node.name + " db", max(a_bytes, b_bytes), region=grads[0].region)
-    if b_bytes < a_bytes:  # summed down to b's size
-        db = g.new(node.name + " backward: sum", node.name + " db summed", b_bytes, region=grads[0].region)
-    return [da, db]
-
-
-def _by_weight_backward(g, node, grads):
-    z = g.sizes
-    dx = g.new(node.name + " backward: dx", node.name + " dx", node.ctx["nbytes"], region=grads[0].region)
-    product = g.new(node.name + " backward: g * x", node.name + " g x", node.ctx["nbytes"])
-    summed = [g.new(node.name + " backward: sum", node.name + " dw32", 4 * z.h)]
-    del product
-    if z.e == 4:  # the FP32 sum is .grad itself
-        g.param_grad(node.name + " backward: dW", node.ctx["param"], 4 * z.h, made=summed)
-    else:  # cast to the parameter's dtype first
-        g.param_grad(node.name + " backward: dW", node.ctx["param"], z.h * z.e)
-    del summed
-    return [dx]

@@ -15,48 +15,57 @@ def forward(g, name, q, k, v):
     in FP32, q and k scaled, a causal bias of -inf above the diagonal, softmax, dropout (its
     noise in FP32 too), the attention weights cast back and returned, @ v, the output cast
     back. It saves what the manual core saves, in FP32. (For one sequence the scaled q and k
-    are what QK^T saves, walked here as one allocation.)"""
+    are what QK^T saves, walked here as one allocation.) A k or v made contiguous already (head-major:
+    grouped-query attention's repeated heads) is multiplied as it is, without the copy."""
     z = g.sizes
     one, bsh, A, e = z.b == 1, z.bsh, z.a * z.s * z.s * z.b, z.e
+    whole = {name: one or t.layout == "head-major" for name, t in (("k", k), ("v", v))}  # no copy for the bmm
     temps, keep = [], {}
     if e != 4:
         q32, k32, v32 = g.alloc(name + " math: q, k, v to fp32", ("q32", bsh * 4), ("k32", bsh * 4),
-                                (name + " math V copy (fp32)", bsh * 4), region=True)
+                                (name + " math V copy (fp32)", bsh * 4), region=True, dtype="float32")
         temps += [q32, k32]
-        if one:
+        if whole["v"]:
             keep["v"] = v32
         else:
             temps.append(v32)
         del q32, k32, v32
-    elif one:
-        keep["v"] = v  # FP32 already: the view of c_attn's output itself
+    elif whole["v"]:
+        keep["v"] = v  # FP32 already: the view of c_attn's output itself (or the repeated heads)
     if one:  # the scaled q and k are what QK^T saves (walked here both at once)
         keep["q"], keep["k"] = g.alloc(name + " math: q * scale", (name + " math Q copy (fp32)", bsh * 4),
-                                          (name + " math K copy (fp32)", bsh * 4), region=True)
+                                          (name + " math K copy (fp32)", bsh * 4), region=True, dtype="float32")
     else:
-        temps.append(g.new(name + " math: q * scale", "qs", bsh * 4, region=True))
-    tril = g.new(name + " math: causal tril", "tril", z.s * z.s)
-    temps.append(g.new(name + " math: causal bias", "bias", z.s * z.s * 4))  # the mask lives to the end
+        temps.append(g.new(name + " math: q * scale", "qs", bsh * 4, region=True, dtype="float32"))
+    tril = g.new(name + " math: causal tril", "tril", z.s * z.s, dtype="bool")
+    bias = g.new(name + " math: causal bias", "bias", z.s * z.s * 4, dtype="float32")
+    temps.append(bias)  # the mask lives to the end
+    del bias
     del tril
     ks = None
     if not one:
-        ks = g.new(name + " math: k * scale", "ks", bsh * 4, region=True)
-        keep["q"], keep["k"] = g.alloc(name + " QK^T: copies of q, k", (name + " math Q copy (fp32)", bsh * 4),
-                                          (name + " math K copy (fp32)", bsh * 4), region=True)
-    att = g.new(name + " QK^T", "att", A * 4, region=True)
+        ks = g.new(name + " math: k * scale", "ks" if not whole["k"] else name + " math K (fp32)", bsh * 4,
+                   region=True, dtype="float32")
+        copies = [(name + " math Q copy (fp32)", bsh * 4)] + [(name + " math K copy (fp32)", bsh * 4)] * \
+            (not whole["k"])
+        keep["q"], keep["k"] = (g.alloc(name + " QK^T: copies of q, k", *copies, region=True, dtype="float32")
+                                + [ks])[:2]
+    att = g.new(name + " QK^T", "att", A * 4, region=True, dtype="float32")
     del ks  # a temporary of the QK^T expression: gone when it is done
-    att = g.new(name + " + causal bias", "att2", A * 4, region=True)
-    keep["P"] = g.new(name + " softmax", name + " math softmax (fp32)", A * 4, region=True)
+    att = g.new(name + " + causal bias", "att2", A * 4, region=True, dtype="float32")
+    keep["P"] = g.new(name + " softmax", name + " math softmax (fp32)", A * 4, region=True, dtype="float32")
     del att
     keep["mask"] = g.new(name + " attention dropout noise", name + " math dropout mask (fp32)", A * 4,
-                            region=True)
+                            region=True, dtype="float32")
     keep["dropped"] = g.new(name + " attention dropout x * noise", name + " math dropout output (fp32)", A * 4,
-                               region=True)
+                               region=True, dtype="float32")
     if e != 4:  # the math path returns the attention weights too, cast back
         temps.append(g.new(name + " math: weights to 16 bit", "weights16", A * e, region=True))
-    if not one:
-        keep["v"], = g.alloc(name + " att@V: copy of v", (name + " math V copy (fp32)", bsh * 4), region=True)
-    y = g.new(name + " att@V", "y32" if e != 4 else name + " output", bsh * 4, region=True, layout="head-major")
+    if not whole["v"]:
+        keep["v"], = g.alloc(name + " att@V: copy of v", (name + " math V copy (fp32)", bsh * 4), region=True,
+                             dtype="float32")
+    y = g.new(name + " att@V", "y32" if e != 4 else name + " output", bsh * 4, region=True, layout="head-major",
+              dtype="float32")
     if e != 4:
         y = g.new(name + " math: output to 16 bit", name + " output", bsh * e, region=True, layout="head-major")
     del temps

@@ -19,23 +19,26 @@ import math
 
 import torch
 
+import fp8
 import memory_ledger as ml
 import precision
 import zero
 from model import GPT
 
 
-def param_shapes(cfg, blocks_only=False):
-    """Each parameter's shape in model.GPT's order (built on the meta device: no memory); the
-    order decides which parameters a ZeRO slice cuts through, the first dimension how FSDP cuts.
-    blocks_only: the blocks' parameters (fsdp.py shards each block on its own, the rest as the root)."""
+def meta_model(cfg):
+    """model.GPT as cfg's run builds it (its precision's Linears), on the meta device: no memory."""
     with torch.device("meta"):
-        model = GPT(cfg)
-    shapes = [tuple(p.shape) for p in (model.h.parameters() if blocks_only else model.parameters())]
-    if not blocks_only:
-        assert sum(math.prod(s) for s in shapes) == ml.param_count(cfg)[0], \
-            "model.py and memory_ledger.py count different parameters"
-    return shapes
+        return GPT(cfg, linear_factory=precision.recipe(cfg).linear_factory())
+
+
+def param_shapes(cfg, blocks_only=False):
+    """Each parameter's shape in model.GPT's order (the model itself, not the description: what the
+    ranks hold is the model's); the order decides which parameters a ZeRO slice cuts through, the
+    first dimension how FSDP cuts. blocks_only: the blocks' parameters (fsdp.py shards each block
+    on its own, the rest as the root)."""
+    model = meta_model(cfg)
+    return [tuple(p.shape) for p in (model.h.parameters() if blocks_only else model.parameters())]
 
 
 def fsdp_padded(shapes, world):
@@ -43,25 +46,41 @@ def fsdp_padded(shapes, world):
     return sum(-(-s[0] // world) * (math.prod(s) // s[0]) for s in shapes)
 
 
-def step_elements(cfg, shard, world):
-    """Elements a step's collectives move, in the ZeRO paper's terms (ledger/comm.py: an all-reduce
-    counts twice), per rank; Psi = P parameters.
+def step_collectives(cfg, shard, world):
+    """[(what, elements)]: the collectives one step issues, in the ZeRO paper's terms (ledger/comm.py:
+    an all-reduce counts twice), per rank; Psi = P parameters.
       DDP     all-reduce of the gradient: 2 Psi
       ZeRO    reduce-scatter of the gradient + all-gather of the weights, both padded flat
-              buffers, + the all-reduce of one FP64 squared norm: 2 (Psi + padding) + 2
+              buffers: 2 (Psi + padding); the all-reduce of one FP64 squared norm: 2
       FSDP    each block all-gathered in forward and again in backward, the root (embeddings, the
               tied head, ln_f) once: FSDP2 keeps the root gathered from forward to backward; every
-              gradient reduce-scattered; padded per parameter; + the norm: 2 Psi_all + Psi_blocks + 2
-    The paper's 3 Psi for ZeRO-3 is the FSDP line with every parameter in a block."""
+              gradient reduce-scattered; padded per parameter: 2 Psi_all + Psi_blocks; the norm: 2
+    The paper's 3 Psi for ZeRO-3 is the FSDP line with every parameter in a block. What a precision
+    adds, whatever the sharding: FP8's amax all-reduce (fp8.fold_amax: the max over ranks of each FP8
+    Linear's step_amax, 3 per layer). (The ledger's step averages the loss per micro-step, as
+    accumulate.accumulation_step does by default: no token count is all-reduced.)"""
     P = sum(math.prod(s) for s in param_shapes(cfg))
     if shard == "none":
-        return 2 * P
-    if shard in zero.STAGES:
-        return 2 * (P + zero.Shards([P], world, 0).padding) + 2
-    if shard == "fsdp":
+        out = [("the gradient's all-reduce", 2 * P)]
+    elif shard in zero.STAGES:
+        padded = P + zero.Shards([P], world, 0).padding
+        out = [("the gradient's reduce-scatter and the weights' all-gather", 2 * padded),
+               ("the squared norm's all-reduce", 2)]
+    elif shard == "fsdp":
         whole, blocks = (world * fsdp_padded(param_shapes(cfg, only), world) for only in (False, True))
-        return 2 * whole + blocks + 2
-    raise ValueError(f"no volume formula for shard={shard}")
+        out = [("the weights' all-gathers and the gradient's reduce-scatter", 2 * whole + blocks),
+               ("the squared norm's all-reduce", 2)]
+    else:
+        raise ValueError(f"no volume formula for shard={shard}")
+    if world > 1:
+        amax = sum(m.step_amax.numel() for m in fp8.layers(meta_model(cfg)) if isinstance(m, fp8.FP8Linear))
+        out += [("FP8's amax all-reduce", 2 * amax)] if amax else []
+    return out
+
+
+def step_elements(cfg, shard, world):
+    """Elements a step's collectives move per rank: step_collectives' sum."""
+    return sum(n for _, n in step_collectives(cfg, shard, world))
 
 
 def rank_states(cfg, shard, world, rank):

@@ -33,11 +33,14 @@ class Entry:
     """The walk's book entry for one live storage. saved: how many Nodes hold it; term: its
     name as a saved activation, scope: where it was first saved (a block's index, or
     "embedding", "head", "units"); region: made inside a tensor-parallel region (split over
-    t ranks under TP); role: what kept it (ops.NORM: a normalization layer)."""
-    __slots__ = ("name", "label", "nbytes", "saved", "kept", "grad", "term", "scope", "region", "role", "point")
+    t ranks under TP); role: what kept it (ops.NORM: a normalization layer); dtype: torch's name
+    of its dtype ("bfloat16", "float32", "int64", ...)."""
+    __slots__ = ("name", "label", "nbytes", "saved", "kept", "grad", "term", "scope", "region", "role", "point",
+                 "dtype")
 
-    def __init__(self, prefix, label, nbytes, region=False, grad=False):
+    def __init__(self, prefix, label, nbytes, region=False, grad=False, dtype=None):
         self.name, self.label, self.nbytes, self.region, self.grad = prefix + label, label, nbytes, region, grad
+        self.dtype = dtype
         self.saved, self.kept, self.term, self.scope, self.role = 0, False, None, None, None
         self.point = None  # the walk's point where it was allocated
 
@@ -72,6 +75,10 @@ class Tensor:
     @property
     def region(self):
         return self.storage.entry.region
+
+    @property
+    def dtype(self):
+        return self.storage.entry.dtype
 
     def view(self, nbytes=None, layout=None):
         """Another handle on the same storage (a view: no memory), with no gradient edge."""
@@ -167,15 +174,17 @@ class Graph:
 
     # ---------------------------------------------------------------- memory
 
-    def alloc(self, where, *parts, region=False, layout="rows"):
-        """Allocate one storage per (name, bytes) part at one point; returns their Tensors."""
-        entries = [Entry(self.prefix, name, nbytes, region) for name, nbytes in parts]
+    def alloc(self, where, *parts, region=False, layout="rows", dtype=None):
+        """Allocate one storage per (name, bytes) part, or (name, bytes, dtype), at one point; returns
+        their Tensors. dtype: theirs, by torch's name (None: the activations', sizes.dtype)."""
+        entries = [Entry(self.prefix, name, nbytes, region, dtype=(own or [dtype])[0] or self.sizes.dtype)
+                   for name, nbytes, *own in parts]
         self.walk.allocate(self.prefix + where, entries)
         return [Tensor(Storage(self.walk, e), layout=layout) for e in entries]
 
-    def new(self, where, name, nbytes, region=False, layout="rows", role=None):
+    def new(self, where, name, nbytes, region=False, layout="rows", role=None, dtype=None):
         """One storage at its own point."""
-        t, = self.alloc(where, (name, nbytes), region=region, layout=layout)
+        t, = self.alloc(where, (name, nbytes), region=region, layout=layout, dtype=dtype)
         t.storage.entry.role = role
         return t
 

@@ -1,6 +1,7 @@
 """The memory ledger: every formula against measured bytes, exact on CPU; MemTracker as a second counter;
 what the ledger says when the model changes and its description does not."""
 import contextlib
+import functools
 import itertools
 from dataclasses import replace
 
@@ -13,12 +14,14 @@ import accumulate
 import checkpoint
 import memory_ledger as ml
 import model
+import precision
 import train
 from config import Config
 from guards.cli import parse_args
 from conftest import merged
-from ledger import explain, measure
+from ledger import explain, measure, step
 from ledger.ops import Ops
+from ledger.shard import meta_model
 from tools import ledger as tool
 
 TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--seed=3"]
@@ -48,7 +51,7 @@ def test_every_component_exact(argv):
     cfg, rows, ok, meas = ledger(argv)
     # measured == predicted, to the byte, the walk's peak too; and every saved tensor explained by a term
     exact = all(rows[k][2] == rows[k][1] for k in ml.COMPONENTS + ("peak",))
-    assert exact and ok and not explain.report(cfg, meas["saved_tensors"]), \
+    assert exact and ok and not explain.report(cfg, meas), \
         tool.failure(cfg, rows.values(), meas)
 
 
@@ -116,7 +119,8 @@ class Gated(nn.Module):
 def swapped(monkeypatch, change):
     """Change model.py's block at test time, as a learner would, and leave the description alone.
     Each works on whatever block model.py has: "gate" wraps ln_1 (more saved), "no activation"
-    takes the MLP's activation out (less saved)."""
+    takes the MLP's activation out (less saved): its modules run in the order it makes them, nothing
+    between (whatever they are named)."""
     if change == "gate":
         real = model.Block.__init__
 
@@ -125,7 +129,8 @@ def swapped(monkeypatch, change):
             self.ln_1 = Gated(self.ln_1)
         monkeypatch.setattr(model.Block, "__init__", init)
     elif change == "no activation":
-        monkeypatch.setattr(model.MLP, "forward", lambda self, x: self.dropout(self.c_proj(self.c_fc(x))))
+        monkeypatch.setattr(model.MLP, "forward", lambda self, x: functools.reduce(lambda y, m: m(y), self.children(),
+                                                                                    x))
 
 
 @pytest.mark.parametrize("change", ["gate", "no activation"])
@@ -137,7 +142,7 @@ def test_the_ledger_names_what_its_description_does_not_explain(monkeypatch, cha
     swapped(monkeypatch, change)
     cfg, rows, ok, meas = ledger(["--precision=bf16"])
     assert not ok and not rows["activations"][4]
-    lines = explain.report(cfg, meas["saved_tensors"])
+    lines = explain.report(cfg, meas)
     said = "\n".join(lines)
     b, s, h, L = cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.n_layer
     bsh = f"bfloat16 ({b}, {s}, {h}), {2 * b * s * h:,} bytes (x{L})"
@@ -148,13 +153,27 @@ def test_the_ledger_names_what_its_description_does_not_explain(monkeypatch, cha
     else:  # one term of each block's MLP is saved no more
         assert any(line.startswith("  described but not saved: mlp.") and "(in each block)" in line
                    for line in lines), said
-    extra, missing = explain.unexplained(cfg, meas["saved_tensors"])
+    extra, missing, _ = explain.unexplained(cfg, meas["saved_tensors"])
     assert sum(s.nbytes for s in extra) - sum(t.nbytes for _, t in missing) == \
         rows["activations"][2] - rows["activations"][1]  # the report accounts for the whole difference
     words = tool.failure(cfg, rows.values(), meas)
     assert f"activations: predicted {rows['activations'][1]:,} bytes, measured {rows['activations'][2]:,}" in words
     assert said in words
     assert said in tool.format_comparison(cfg, list(rows.values()), meas)  # `make ledger` prints it too
+
+
+def test_every_component_that_differs_is_named(monkeypatch):
+    """Recompute units the description's plan does not have (its plan says none; the model runs ckpt=full):
+    the RNG states they keep are named with their count, and the unit inputs the units keep are saved."""
+    real = ml.plan
+    monkeypatch.setattr(ml, "plan", lambda cfg: real(replace(cfg, ckpt="none")))
+    cfg, rows, ok, meas = ledger(["--precision=bf16", "--ckpt=full"])
+    per_state = torch.get_rng_state().numel()
+    lines = explain.report(cfg, meas)
+    assert not ok and f"  rng_states: predicted 0 bytes, measured {cfg.n_layer * per_state:,}: the step's graph " \
+        f"holds {cfg.n_layer} RNG states of {per_state:,} bytes (checkpoint.Unit.rng: one per recompute unit); the " \
+        f"description's plan (memory_ledger.plan) 0" in lines, "\n".join(lines)
+    assert any(line.startswith("  unexplained, saved by GPT.forward (RerunNodeBackward)") for line in lines), lines
 
 
 def test_a_description_that_follows_the_change_is_exact_again(monkeypatch):
@@ -177,7 +196,7 @@ def test_a_description_that_follows_the_change_is_exact_again(monkeypatch):
         for argv in (["--precision=bf16"], ["--precision=fp32", "--ckpt=full", "--dropout=0.1"]):
             cfg, rows, ok, meas = ledger(argv)
             assert ok and rows["peak"][1] == rows["peak"][2], tool.failure(cfg, rows.values(), meas)
-            assert not explain.report(cfg, meas["saved_tensors"])
+            assert not explain.report(cfg, meas)
     finally:
         ml._census.cache_clear()
 
@@ -233,7 +252,9 @@ def test_activation_terms_are_what_autograd_saves():
     assert meas["activations"] == ml.activation_bytes(sh)
     # masked_fill saves a view of the future_mask buffer: state (buffers), not an activation
     assert not any("mask" in t.name and "dropout" not in t.name for t in terms)
-    assert meas["buffers"] == rows["buffers"][1] == sh.n_layer * sh.block_size * sh.block_size
+    # model.py's, on the meta device, in the run's dtype (as train.build casts them): the causal masks
+    buffers = sum(b.nbytes for b in meta_model(sh).to(dtype=precision.recipe(sh).param_dtype).buffers())
+    assert meas["buffers"] == rows["buffers"][1] == buffers
 
 
 def test_saved_views_of_buffers_and_the_batch_are_not_activations():
@@ -247,8 +268,20 @@ def test_saved_views_of_buffers_and_the_batch_are_not_activations():
         with measure.SavedBytes(static) as saved:
             gpt(x, y)
         counts.append(saved.total)
-    assert counts[0] - counts[1] == cfg.n_layer * cfg.block_size ** 2  # one bool mask per block
+    # every buffer's storage is saved (masked_fill keeps a view of each block's causal mask)
+    assert counts[0] - counts[1] == sum(b.untyped_storage().nbytes() for b in gpt.buffers())
     assert counts[1] - counts[2] == ml.input_bytes(cfg)  # the embedding saves x, the loss y
+
+
+def test_a_name_that_holds_two_storages_of_a_block_is_counted_twice(monkeypatch):
+    """A block may save two storages under one name (a learner's op named like another): activation_terms
+    adds both, in every kind of block (plain and core-recomputed), and says so in the term's name."""
+    cfg = Config(n_layer=3, n_embd=32, n_head=2, block_size=16, batch_size=2, ckpt="selective")
+    twice = [ml.Term("mlp.twice", 100, 0, False), ml.Term("mlp.twice", 60, 0, False)]
+    monkeypatch.setattr(ml, "block_activation_terms", lambda c, core_unit=False: twice)
+    monkeypatch.setattr(ml, "plan", lambda c: step.Plan(3, [], [0]))  # one core-recomputed block, two plain
+    terms = [t for t in ml.activation_terms(cfg) if t.scope == "blocks"]
+    assert [(t.name, t.nbytes) for t in terms] == [("mlp.twice (x6 in 3 blocks)", 3 * 160)], terms
 
 
 def test_recompute_keeps_only_unit_inputs():

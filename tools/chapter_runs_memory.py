@@ -26,7 +26,7 @@ from config import UsageError  # noqa: E402
 from ledger import shard as ls  # noqa: E402
 from ledger.measure import SavedBytes  # noqa: E402
 from guards.files import check_writable  # noqa: E402
-from tools import demos, ledger, plots  # noqa: E402
+from tools import demos, ledger, ledger_ranks, plots  # noqa: E402
 from tools.chapter_runs import Claim, machine, slow_because, step_seconds, tiny  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -248,10 +248,16 @@ def communication_volume(device):
         sum(math.prod(s) for s in ls.param_shapes(cfg))
     ratio = {shard: elements[shard] / elements["none"] for shard in elements}
     same = all(abs(ratio[s] - 1) < 0.01 for s in ("zero1", "zero2"))
+    # what a step sends besides the gradient and the weights (the norm's sum, a precision's own: FP8's amax)
+    also = {}
+    for shard, ranks in figures.items():
+        for what, n in ranks[0]["collectives"][1:]:
+            also.setdefault(f"{what} {n:,}", []).append(ledger_ranks.SHARD_NAMES[shard])
     measured = (f"per step, in elements (bytes): DDP {elements['none']:,} ({volume['none']:,}), "
                 f"ZeRO-1 x{ratio['zero1']:.3f}, ZeRO-2 x{ratio['zero2']:.3f}, FSDP x{ratio['fsdp']:.3f} "
-                f"(x{volume['fsdp'] / volume['none']:.2f} in bytes: it reduce-scatters in FP32); the blocks hold "
-                f"{100 * blocks:.0f}% of the parameters")
+                f"(x{volume['fsdp'] / volume['none']:.2f} in bytes: it reduce-scatters in FP32), each count with "
+                + "; ".join([f"{what} ({', '.join(names)})" for what, names in also.items()] or ["nothing else"])
+                + f"; the blocks hold {100 * blocks:.0f}% of the parameters")
     if not exact:
         why = "a count differs from ledger/shard.step_elements: make ledger names which"
     elif not same:

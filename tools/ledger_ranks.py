@@ -1,17 +1,27 @@
 """The ledger's sharded rows, measured: each rank's states under DDP, ZeRO-1, ZeRO-2 and FSDP.
 
-Run by tools/ledger.py (and tools/chapter.py) under torchrun, gloo on CPU:
+Both sides of it. tools/ledger.py (and tools/chapter.py) call `measure_ranks`, which starts this
+file RANKS times (`run_ranks`), gloo on CPU, each process told its rank by RANK and WORLD_SIZE in
+its environment, as torchrun would, the ranks meeting through a file in a temporary folder (no
+port to find, no launcher's words between a failure and the learner):
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tools/ledger_ranks.py [train.py flags] --into=F
+    python tools/ledger_ranks.py --jobs=FOLDER/jobs.json --into=FOLDER
 
-For each SHARD: build the run, one step (AdamW makes its states), then one step measured on
-every rank (ledger/measure.measure: the storages, as the single-process ledger counts them)
-with its collectives counted (ledger/comm.Count). Rank 0 gathers every rank's figures, with
-the formula's (ledger/shard.rank_states), and writes F as JSON.
+jobs.json is a list of {"flags": [train.py flags], "shards": [SHARD values]}. Each rank (`program`),
+for each job and SHARD: builds the run, takes one step (AdamW makes its states), then one step
+measured (ledger/measure.measure: the storages, as the single-process ledger counts them) with its
+collectives counted (ledger/comm.Count), beside the formulas' (ledger/shard.rank_states,
+step_collectives); it writes its own FOLDER/rank<N>.json after every SHARD: its figures so far
+and, where something failed, the error in one line. Figures and failures travel by that one file.
 """
 import json
+import os
+import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -22,18 +32,166 @@ import torch.distributed as dist  # noqa: E402
 import accumulate  # noqa: E402
 import train  # noqa: E402
 from guards import cli  # noqa: E402
-from config import UsageError, key  # noqa: E402
+from config import Config, RunError, UsageError, key, validate  # noqa: E402
 from ledger import comm, measure  # noqa: E402
 from ledger import shard as ls  # noqa: E402
 from guards.files import write_atomically  # noqa: E402
+from tools.ledger_report import in_words  # noqa: E402
 
+RANKS = 2  # the sharded rows' processes: gloo on CPU
+SHARD_NAMES = {"none": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP (ZeRO-3)"}
 MEASURED = ("parameters", "buffers", "master", "optimizer", "step_gradients", "fp8_kept", "activations", "peak")
+WAIT = timedelta(minutes=5)  # the longest a collective waits for the other ranks: a step here takes seconds
+GRACE = 5  # seconds the other ranks get to say their own words once one has failed
+_DONE = {}  # the flags of a job -> its figures, or the line that says why it has none (once per process)
 
+
+# ---------------------------------------------------------------- the parent: start the ranks, read them
+
+def shards_for(cfg):
+    """The SHARD values cfg can run with (FSDP refuses FP8 and FP32 sums: config.validate)."""
+    runnable = []
+    for shard in SHARD_NAMES:
+        try:
+            validate(replace(cfg, shard=shard))
+            runnable.append(shard)
+        except UsageError:
+            pass
+    return runnable
+
+
+def job_of(cfg):
+    """The job that measures cfg's shape: one micro-batch, no output, the keys that change neither left
+    at their defaults (one run for them all)."""
+    cpu = replace(cfg, device="cpu", shard="none", accum=1, total_batch_tokens=0, out_dir=Config.out_dir)
+    return tuple(cli.flags(cpu)), tuple(shards_for(cpu))
+
+
+def measure_ranks(cfg):
+    """{shard: [each rank's measured and formula figures]} for cfg's shape, RANKS gloo processes on CPU;
+    RunError, in one line, where they could not say."""
+    return measure_ranks_many([cfg])[0]
+
+
+def measure_ranks_many(cfgs):
+    """measure_ranks for several configs, those not measured yet in this process in one start of the
+    ranks (again for the jobs after one that failed). Returns each one's figures, or raises the first
+    one's failure."""
+    jobs = [job_of(cfg) for cfg in cfgs]
+    while todo := list(dict.fromkeys(job for job in jobs if job not in _DONE)):
+        _DONE.update((job, said) for job, said in zip(todo, run_ranks(todo)) if said is not None)
+    for job in jobs:
+        if isinstance(_DONE[job], str):
+            raise RunError(_DONE[job])
+    return [_DONE[job] for job in jobs]
+
+
+def run_ranks(jobs):
+    """Start RANKS processes of this file on `jobs` [(flags, shards)]; returns, per job, {shard: [figures
+    of each rank]}, the one line that says why not, or None for a job after the one that failed. The
+    first rank that fails ends the others (they would wait for it in a collective) GRACE seconds on."""
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        (folder / "jobs.json").write_text(json.dumps([dict(flags=flags, shards=shards) for flags, shards in jobs]))
+        procs, ended = [], set()
+        for rank in range(RANKS):
+            env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(RANKS),
+                       LOCAL_WORLD_SIZE=str(RANKS))  # one thread per rank: RANKS processes share the cores
+            with open(folder / f"rank{rank}.log", "w") as log:
+                procs.append(subprocess.Popen([sys.executable, __file__, f"--jobs={folder / 'jobs.json'}",
+                                               f"--into={folder}"], stdout=log, stderr=subprocess.STDOUT, env=env))
+        failed_at = None
+        try:
+            while any(p.poll() is None for p in procs):
+                if failed_at is None and any(p.poll() for p in procs):
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() - failed_at > GRACE:
+                    for rank, p in enumerate(procs):
+                        if p.poll() is None:
+                            p.kill()
+                            ended.add(rank)
+                time.sleep(0.05)
+        finally:  # Ctrl-C here, or anything else: no rank outlives the parent that started it
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return _collect(folder, jobs, [p.returncode for p in procs], ended)
+
+
+def _collect(folder, jobs, codes, ended):
+    """Per job: its figures from every rank's file, the line that says why there are none, or None (a
+    job after the failed one: not run). ended: the ranks run_ranks killed once another had failed."""
+    said, errors = {}, []
+    for rank, code in enumerate(codes):
+        path = folder / f"rank{rank}.json"
+        said[rank] = json.loads(path.read_text()) if path.exists() else dict(done=[], error=None)
+        error = said[rank]["error"]
+        if code and error is None:  # it ended without its own word: its log's last line says what it could
+            last = ((folder / f"rank{rank}.log").read_text().strip().splitlines() or ["nothing"])[-1][:300]
+            how = f"signal {-code}" if code < 0 else f"exit status {code}"
+            error = dict(job=len(said[rank]["done"]) - 1, shard=None,
+                         line=f"ended by {how}" + (" once another rank had failed" if rank in ended else
+                                                   f", its last line: {last}"))
+        if error:
+            errors.append((rank in ended, error["job"], rank, error))
+    out = []
+    for i, (_, shards) in enumerate(jobs):
+        failed = sorted(e for e in errors if max(e[1], 0) <= i)  # a rank's own words before an ended one's
+        if failed and max(failed[0][1], 0) < i:
+            out.append(None)
+        elif failed:
+            _, _, rank, error = failed[0]
+            where = f", {SHARD_NAMES.get(error['shard'], error['shard'])}" if error["shard"] else ""
+            out.append(f"the sharded rows' {RANKS} processes failed: rank {rank}{where}: {error['line']}")
+        else:
+            out.append({shard: [said[r]["done"][i][shard] for r in range(RANKS)] for shard in shards})
+    return out
+
+
+def format_ranks(figures):
+    """(lines, ok): each rank's states measured against ledger/shard.py, and its step's collectives."""
+    mib = lambda n: f"{n / 2 ** 20:9.3f}"  # noqa: E731
+    lines = [f"each rank's states (MiB), measured in {RANKS} gloo processes on CPU (tools/ledger_ranks.py) against "
+             f"ledger/shard.py's formula; what a step sends (ledger/comm.py: the paper's volume):",
+             f"{'technique':14} {'rank':>4} {'parameters':>10} {'master':>9} {'AdamW':>9} {'grads@step':>10} "
+             f"{'peak':>9} {'padding':>8}  {'check':6} collectives per step (volume)"]
+    ok = True
+    for shard, ranks in figures.items():
+        for r in ranks:
+            m, f = r["measured"], r["formula"]
+            misses = [f"{k} {m[k]:,} vs {f[k]:,}" for k in f if k != "padding" and m[k] != f[k]]
+            if r["elements"] != r["elements_formula"]:
+                misses.append(f"elements sent {r['elements']:,} vs {r['elements_formula']:,} ("
+                              + " + ".join(f"{what} {n:,}" for what, n in r["collectives"]) + ")")
+            ok = ok and not misses
+            calls = ", ".join(f"{k} x{v}" for k, v in sorted(r["calls"].items()))
+            lines.append(f"{SHARD_NAMES[shard]:14} {r['rank']:4d} {mib(m['parameters'])} {mib(m['master'])} "
+                         f"{mib(m['optimizer'])} {mib(m['step_gradients'])} {mib(m['peak'])} {f['padding']:8,d}  "
+                         f"{'MISS: ' + '; '.join(misses) if misses else 'exact':6} {calls} ({r['volume']:,} B, "
+                         f"{r['elements']:,} elements)")
+    return lines, ok
+
+
+def sharded_rows(figures):
+    """The table's rows for ZeRO-1, ZeRO-2 and FSDP over RANKS, rank 0's measured figures."""
+    rows = []
+    for shard, ranks in figures.items():
+        if shard != "none":
+            m = ranks[0]["measured"]
+            rows.append((f"{SHARD_NAMES[shard]} over {RANKS} (rank 0)",
+                         dict(parameters=m["parameters"], buffers=m["buffers"], gradients=m["step_gradients"],
+                              optimizer=m["master"] + m["optimizer"], fp8_kept=m["fp8_kept"],
+                              activations=m["activations"]), "measured"))
+    return rows
+
+
+# ---------------------------------------------------------------- a rank
 
 @dataclass
 class RankOptions:
-    into: str = key("", "the JSON file rank 0 writes")
-    shards: str = key("none,zero1,zero2,fsdp", "the SHARD values to measure, comma-separated")
+    jobs: str = key("", "the JSON file of jobs: [{flags: [train.py flags], shards: [SHARD values]}]")
+    into: str = key("", "the folder each rank writes its rank<N>.json into (and meets the others through)")
 
 
 def measure_shard(cfg, shard, rank, world):
@@ -49,29 +207,37 @@ def measure_shard(cfg, shard, rank, world):
         meas = measure.measure(run_model, parts, batch, device)
     return dict(rank=rank, measured={k: meas.get(k) for k in MEASURED},
                 formula=ls.rank_states(cfg, shard, world, rank), calls=dict(count.kinds()), volume=count.volume(),
-                elements=count.elements(), elements_formula=ls.step_elements(cfg, shard, world))
+                elements=count.elements(), elements_formula=ls.step_elements(cfg, shard, world),
+                collectives=ls.step_collectives(cfg, shard, world))
 
 
 def program(argv):
-    cfg, opts = cli.parse_args(argv, RankOptions)
-    if not opts.into:
-        raise UsageError("--into=FILE is needed: where rank 0 writes the figures")
-    cfg = replace(cfg, device="cpu")
-    dist.init_process_group("gloo")
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        figures = {}
-        for shard in opts.shards.split(","):
-            mine = measure_shard(cfg, shard, rank, world)
-            every = [None] * world
-            dist.all_gather_object(every, mine)
-            figures[shard] = every
-        if rank == 0:
-            text = json.dumps(dict(world=world, figures=figures), indent=1)
-            write_atomically(opts.into, lambda fh: fh.write(text.encode()))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    _, opts = cli.parse_args(argv, RankOptions)
+    if not (opts.jobs and opts.into and "RANK" in os.environ):
+        raise UsageError("tools/ledger_ranks.py is one of the processes tools/ledger.py starts (--jobs, --into, "
+                         "RANK and WORLD_SIZE); run make ledger")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    jobs, out = json.loads(Path(opts.jobs).read_text()), Path(opts.into) / f"rank{rank}.json"
+    done, failed = [], None
+
+    def write():
+        text = json.dumps(dict(rank=rank, done=done, error=failed))
+        write_atomically(out, lambda fh: fh.write(text.encode()))
+    dist.init_process_group("gloo", init_method=f"file://{Path(opts.into).resolve() / 'rendezvous'}", rank=rank,
+                            world_size=world, timeout=WAIT)
+    for job in jobs:
+        cfg = replace(cli.parse_args(job["flags"]), device="cpu")
+        done.append({})
+        for shard in job["shards"]:
+            try:
+                done[-1][shard] = measure_shard(cfg, shard, rank, world)
+            except Exception as e:  # noqa: BLE001  (a finding, in one line: the parent ends the ranks)
+                failed = dict(job=len(done) - 1, shard=shard, line=in_words(e))
+                write()
+                return 1  # no destroy_process_group: another rank may wait for this one in a collective
+            write()
+    dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":

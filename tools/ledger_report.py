@@ -3,6 +3,11 @@
 A tool, split from tools/ledger.py (which decides what to measure and check) so that each
 stays short: this file turns rows into text and a picture.
 """
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
 # buffers and native FP8's weight copies kept during a step (memory_ledger.components): their own lines everywhere
 KEYS = ("parameters", "buffers", "gradients", "optimizer", "fp8_kept", "activations")
 COLORS = dict(parameters="#4e79a7", buffers="#9c755f", gradients="#f28e2b", optimizer="#e15759",
@@ -64,7 +69,7 @@ def format_papers(korthikanti, zero):
 def svg(rows, title):
     """Stacked horizontal bars, one per technique, hand-written SVG."""
     total = lambda c: sum(c[k] for k in KEYS)
-    top = max(total(c) for _, c, _ in rows) or 1
+    top = max((total(c) for _, c, _ in rows), default=0) or 1
     W, left, bar, gap, head = 900, 260, 18, 8, 50
     H = head + len(rows) * (bar + gap) + 40
     scale = (W - left - 120) / top
@@ -93,3 +98,16 @@ def svg(rows, title):
 
 def _esc(text):
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def in_words(e):
+    """An exception as one line for the learner, the report going on around it: its type, its message
+    on one line, and the innermost place in this project it came from (never a traceback)."""
+    where = ""
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        path = Path(frame.filename).resolve()
+        if path.is_relative_to(ROOT) and not {".venv", "site-packages"} & set(path.parts):
+            where = f" ({path.relative_to(ROOT)}:{frame.lineno})"
+            break
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}{': ' + text[:300] if text else ''}{where}"
