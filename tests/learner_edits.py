@@ -119,7 +119,7 @@ class GroupedQueryAttention(model.CausalSelfAttention):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k, v = (t.view(B, T, self.n_kv_head, C // self.n_head).transpose(1, 2)
                 .repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))
-        y = self.core_runner(self.core, q, k, v)
+        y = self.core(q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -137,7 +137,7 @@ def gqa_description(monkeypatch):
         qkv = g.linear("attn.c_attn", x, z.h + 2 * kv, split="column")
         q, k, v = g.split_heads("attn.split", qkv, [n * qkv.nbytes // (z.h + 2 * kv) for n in (z.h, kv, kv)])
         k, v = (g.repeat_heads(f"attn.{name} repeat", t, z.a // n_kv, n_kv) for name, t in (("k", k), ("v", v)))
-        y = g.merge_heads("attn.merge", g.core_runner(ml.core, q, k, v))
+        y = g.merge_heads("attn.merge", g.module("attn.core", ml.core, q, k, v))
         return g.dropout("attn.resid_dropout", g.linear("attn.c_proj", y, z.h, split="row"))
     monkeypatch.setattr(ml, "attention", attention)
     _describe(monkeypatch)
@@ -177,7 +177,7 @@ class RotaryAttention(model.CausalSelfAttention):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = self.core_runner(self.core, self.rotate(q), self.rotate(k), v)
+        y = self.core(self.rotate(q), self.rotate(k), v)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -208,8 +208,8 @@ def rope_description(monkeypatch):
     def attention(g, x):
         q, k, v = g.split_heads("attn.split", g.linear("attn.c_attn", x, 3 * g.sizes.h, split="column"))
         # the turned q and k are the call's temporaries, as in RotaryAttention.forward: gone when the core returns
-        y = g.merge_heads("attn.merge", g.core_runner(ml.core, rotate(g, "attn.rotate q", q),
-                                                      rotate(g, "attn.rotate k", k), v))
+        y = g.merge_heads("attn.merge", g.module("attn.core", ml.core, rotate(g, "attn.rotate q", q),
+                                                 rotate(g, "attn.rotate k", k), v))
         return g.dropout("attn.resid_dropout", g.linear("attn.c_proj", y, g.sizes.h, split="row"))
     monkeypatch.setattr(ml, "attention", attention)
     _describe(monkeypatch, embeddings=embeddings)

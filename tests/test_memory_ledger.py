@@ -278,8 +278,8 @@ def test_a_name_that_holds_two_storages_of_a_block_is_counted_twice(monkeypatch)
     adds both, in every kind of block (plain and core-recomputed), and says so in the term's name."""
     cfg = Config(n_layer=3, n_embd=32, n_head=2, block_size=16, batch_size=2, ckpt="selective")
     twice = [ml.Term("mlp.twice", 100, 0, False), ml.Term("mlp.twice", 60, 0, False)]
-    monkeypatch.setattr(ml, "block_activation_terms", lambda c, core_unit=False: twice)
-    monkeypatch.setattr(ml, "plan", lambda c: step.Plan(3, [], [0]))  # one core-recomputed block, two plain
+    monkeypatch.setattr(ml, "block_activation_terms", lambda c, paths=(): twice)
+    monkeypatch.setattr(ml, "plan", lambda c: step.Plan(3, [], frozenset({(0, "attn.core")})))  # one core unit
     terms = [t for t in ml.activation_terms(cfg) if t.scope == "blocks"]
     assert [(t.name, t.nbytes) for t in terms] == [("mlp.twice (x6 in 3 blocks)", 3 * 160)], terms
 
