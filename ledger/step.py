@@ -4,8 +4,9 @@ policy, the loss times its weight (and the loss scale), backward, the FP32 sums,
 Read memory_ledger.py first (the model's description), then ledger/walk.py (the engine).
 The step is accumulation_step with one micro-batch (K = 1), as ledger/measure.py runs it:
 micro-step 1, where native FP8 quantizes each weight and keeps the E4M3 copy until just
-before AdamW. With K > 1 micro-steps this is micro-step 1 only: micro-steps 2..K start
-with the earlier ones' .grad alive (unless FP32 sums took them) and the FP8 copies kept.
+before AdamW. walk_step(micro_steps=2) walks a later micro-step too: micro-steps 2..K start
+with the earlier ones' .grad alive (unless FP32 sums took them), AccumulateGrad adds into it
+in place, and the FP8 copies are kept already.
 
 Under each recompute policy (checkpoint.py), as the Plan of its units:
   no unit    every block's saved tensors are alive when backward starts; each block frees
@@ -73,7 +74,8 @@ def _blocks(g, block, unit):
     return run
 
 
-def walk_step(model, sizes, plan, static, groups, master_grads, fp32_sums, shard=1):
+def walk_step(model, sizes, plan, static, groups, master_grads, fp32_sums, shard=1, optimizer_step=None,
+              micro_steps=1):
     """Walk one steady-state micro-step and its optimizer step; returns the Walk (peak, where, parts).
 
     static: bytes alive throughout (states, buffers, the batch). groups: AdamW's parameter-group
@@ -81,24 +83,36 @@ def walk_step(model, sizes, plan, static, groups, master_grads, fp32_sums, shard
     FP32 copies of the 16-bit gradients the optimizer step makes (4 per parameter; 0 for fp32).
     fp32_sums: with FP32 accumulation buffers those copies are made right after backward
     instead, added into the buffers and freed with the 16-bit .grad (accumulation_step).
-    shard: ZeRO-3 over that many ranks (every parameter gradient / shard)."""
+    shard: ZeRO-3 over that many ranks (every parameter gradient / shard). optimizer_step:
+    callable(g) walking the optimizer step instead of one rank's MasterWeightOptimizer (ledger/shard.py
+    gives DDP's and ZeRO's; ledger/plan.py stops there to walk each rank's on its own, `tail`).
+    micro_steps: 2 walks a later micro-step too, which starts with .grad and the kept FP8 copies
+    alive (K > 2 repeats it: the same bytes)."""
     walk = Walk(static, shard)
     g = Ops(walk, sizes)
-    loss = forward(g, model, plan)
-    # parts.scaler.backward(loss * weights[i]): the loss times its weight, times the scale
-    weighted = g.scalar("loss x weight", loss)
-    scaled = g.scalar("loss x scale", weighted) if sizes.loss_scaled else weighted
-    g.mark("end of forward")
-    seed = g.new("backward: the loss gradient", "seed", 4)  # backward()'s ones_like(loss), held till it returns
-    g.backward([(scaled, seed)])
-    del seed, scaled, weighted
-    g.mark("backward done")
-    if fp32_sums:  # accumulation_step adds the 16-bit gradients into the FP32 buffers first
-        as_fp32 = g.new("FP32 sums: every .grad as FP32", "grads as fp32", master_grads // shard)
-        g.grads.clear()
-        del as_fp32
-    running = g.new("the step's running mean loss", "running loss", 4)  # accumulate.py's total_loss
-    _optimizer_step(g, groups, master_grads, fp32_sums, shard)
+    loss = running = None
+    for i in range(micro_steps):
+        walk.tag = f"micro-step {i + 1}: " if i else ""
+        g.accumulating = i > 0 and not fp32_sums  # .grad holds the earlier micro-steps' (FP32 sums took them)
+        loss = forward(g, model, plan)  # the previous micro-step's loss goes as this one is assigned
+        # parts.scaler.backward(loss * weights[i]): the loss times its weight, times the scale
+        weighted = g.scalar("loss x weight", loss)
+        scaled = g.scalar("loss x scale", weighted) if sizes.loss_scaled else weighted
+        g.mark("end of forward")
+        seed = g.new("backward: the loss gradient", "seed", 4)  # backward()'s ones_like(loss), held till it returns
+        g.backward([(scaled, seed)])
+        del seed, scaled, weighted
+        g.mark("backward done")
+        if fp32_sums:  # accumulation_step adds the 16-bit gradients into the FP32 buffers first
+            as_fp32 = g.new("FP32 sums: every .grad as FP32", "grads as fp32", master_grads // shard)
+            g.grads.clear()
+            del as_fp32
+        running = g.new("the step's running mean loss", "running loss", 4)  # accumulate.py's total_loss
+    walk.tag = ""
+    if optimizer_step is None:
+        _optimizer_step(g, groups, master_grads, fp32_sums, shard)
+    else:
+        optimizer_step(g)
     del loss, running
     g.mark("optimizer step done")
     return walk
