@@ -357,15 +357,15 @@ def static_bytes(cfg, shard=1):
     return per_param + st["buffers"] + input_bytes(cfg)
 
 
-def peak_walk(cfg, shard=1, static=None, optimizer_step=None, micro_steps=1):
+def peak_walk(cfg, shard=1, static=None, optimizer=None, micro_steps=1):
     """ledger/step.walk_step for cfg: the Walk over one steady-state step (static_bytes alive
-    throughout). static, optimizer_step: one rank's under DDP or ZeRO (ledger/shard.py);
+    throughout). static, optimizer: one rank's under DDP or ZeRO (ledger/shard.py);
     micro_steps=2: a later micro-step walked too (gradient accumulation, K > 1)."""
     rec, (P, _), matrices = precision.recipe(cfg), param_count(cfg), matrix_param_count(cfg)
     fp32_sums = state_bytes(cfg)["gradients"] > rec.element_bytes * P
     return step.walk_step(MODEL, sizes(cfg), plan(cfg), static_bytes(cfg, shard) if static is None else static,
                           [matrices, P - matrices], 4 * P if rec.master_weights else 0, fp32_sums, shard,
-                          optimizer_step, micro_steps)
+                          optimizer, micro_steps)
 
 
 def peak_estimate(cfg, shard=1):

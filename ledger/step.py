@@ -18,10 +18,10 @@ Under each recompute policy (checkpoint.py), as the Plan of its units:
              last tensor it saves (every block of the unit saves everything again), and
              each node of the unit lets go of its own as backward passes through it.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ledger.ops import Ops
-from ledger.walk import Walk
+from ledger.walk import Graph, Walk
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def _blocks(g, block, unit):
     return run
 
 
-def walk_step(model, sizes, plan, static, groups, master_grads, fp32_sums, shard=1, optimizer_step=None,
+def walk_step(model, sizes, plan, static, groups, master_grads, fp32_sums, shard=1, optimizer=None,
               micro_steps=1):
     """Walk one steady-state micro-step and its optimizer step; returns the Walk (peak, where, parts).
 
@@ -83,7 +83,7 @@ def walk_step(model, sizes, plan, static, groups, master_grads, fp32_sums, shard
     FP32 copies of the 16-bit gradients the optimizer step makes (4 per parameter; 0 for fp32).
     fp32_sums: with FP32 accumulation buffers those copies are made right after backward
     instead, added into the buffers and freed with the 16-bit .grad (accumulation_step).
-    shard: ZeRO-3 over that many ranks (every parameter gradient / shard). optimizer_step:
+    shard: ZeRO-3 over that many ranks (every parameter gradient / shard). optimizer:
     callable(g) walking the optimizer step instead of one rank's MasterWeightOptimizer (ledger/shard.py
     gives DDP's and ZeRO's; ledger/plan.py stops there to walk each rank's on its own, `tail`).
     micro_steps: 2 walks a later micro-step too, which starts with .grad and the kept FP8 copies
@@ -109,16 +109,16 @@ def walk_step(model, sizes, plan, static, groups, master_grads, fp32_sums, shard
             del as_fp32
         running = g.new("the step's running mean loss", "running loss", 4)  # accumulate.py's total_loss
     walk.tag = ""
-    if optimizer_step is None:
-        _optimizer_step(g, groups, master_grads, fp32_sums, shard)
+    if optimizer is None:
+        optimizer_step(g, groups, master_grads, fp32_sums, shard)
     else:
-        optimizer_step(g)
+        optimizer(g)
     del loss, running
     g.mark("optimizer step done")
     return walk
 
 
-def _optimizer_step(g, groups, master_grads, fp32_sums, shard):
+def optimizer_step(g, groups, master_grads, fp32_sums, shard):
     """accumulate.optimizer_step: the kept FP8 weights released (the weights are about to change),
     then precision.MasterWeightOptimizer.step: FP32 copies of the gradients (16-bit precisions),
     then torch's foreach AdamW, whose sqrt(v) is an FP32 temporary the size of each group; then
@@ -134,3 +134,60 @@ def _optimizer_step(g, groups, master_grads, fp32_sums, shard):
         del sqrt_v
     g.grads.clear()
     del master
+
+
+# ---------------------------------------------------------------- one walk up to the optimizer step, every rank's after it
+
+@dataclass(frozen=True)
+class Before:
+    """A step walked up to its optimizer step with nothing static: the same on every rank of DDP,
+    ZeRO-1 and ZeRO-2 (they differ in what they hold throughout and in the optimizer step).
+    totals, steps: its points; alive: the bytes alive as the optimizer step starts, of which
+    grads the parameter gradients and kept the kept FP8 weight copies; peak_count: the storages
+    alive at its highest point; first: how many of the points are the first micro-step's."""
+    totals: tuple
+    steps: tuple
+    alive: int
+    grads: int
+    kept: int
+    peak_count: int
+    first: int
+
+    def first_micro_step(self):
+        """The walk of one micro-step (K = 1) read off a walk of two: the same first micro-step, and the
+        same bytes alive after it (.grad, the kept copies, one loss, the running mean)."""
+        return replace(self, totals=self.totals[:self.first], steps=self.steps[:self.first])
+
+
+def walk_before(walk_it):
+    """walk_it(optimizer) -> the Walk of walk_step(static=0, optimizer=...): stopped where the
+    optimizer step would begin, what is alive there read off the walk."""
+    seen = {}
+
+    def stop(g):
+        kept = {id(t.storage.entry): t.nbytes for copy in g.kept.values() for t in copy.values()}
+        seen.update(points=len(g.walk.totals), alive=g.walk.total, kept=sum(kept.values()),
+                    grads=sum(t.storage.entry.nbytes for t in g.grads.values()))
+    Walk.track_parts = False  # nothing here reads what is alive at the peak
+    try:
+        w = walk_it(stop)
+    finally:
+        Walk.track_parts = True
+    n = seen["points"]
+    first = next((i for i, where in enumerate(w.steps) if where.startswith("micro-step 2: ")), n)
+    return Before(tuple(w.totals[:n]), tuple(w.steps[:n]), seen["alive"], seen["grads"], seen["kept"], w.peak_count,
+                  first)
+
+
+def tail(before, static, optimizer):
+    """The optimizer step walked on its own: what `before` left alive, `static` bytes throughout,
+    then optimizer(g). With before's points (+ static) ahead of its own, the points of walk_step
+    with that static and optimizer (tests/test_plan.py holds them equal)."""
+    g = Graph(Walk(static + before.alive - before.grads - before.kept), None)
+    if before.grads:  # every .grad as one: the optimizer steps free them all at once
+        g.grads[".grad"] = g.new("the optimizer step begins: .grad", ".grad", before.grads)
+        g.grads[".grad"].storage.entry.grad = True
+    if before.kept:
+        g.kept["FP8 weights"] = {"copies": g.new("the optimizer step begins: the kept FP8 weights", "kept", before.kept)}
+    optimizer(g)
+    return g.walk

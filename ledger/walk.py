@@ -112,8 +112,11 @@ class Walk:
         self.tag = ""  # named before every point's place: which micro-step (ledger/step.py)
         self.total, self.totals, self.steps = static, [], []
         self.peak, self.where, self.parts = static, "start", {}
+        self.peak_count = 0  # storages alive at the peak (the static bytes' not among them)
         self.live = {}  # id(entry) -> entry
         self._peaks = []  # (point, the peak before it): what `undo` restores
+
+    track_parts = True  # what is alive at the peak, by kind: half a walk's time (ledger/plan.py reads points only)
 
     def allocate(self, where, entries):
         for entry in entries:
@@ -130,9 +133,9 @@ class Walk:
         self.totals.append(self.total)
         self.steps.append(where)
         if self.total > self.peak:
-            self._peaks.append((len(self.totals) - 1, self.peak, self.where, self.parts))
-            self.peak, self.where, self.parts = self.total, where, {}
-            for entry in self.live.values():
+            self._peaks.append((len(self.totals) - 1, self.peak, self.where, self.parts, self.peak_count))
+            self.peak, self.where, self.parts, self.peak_count = self.total, where, {}, len(self.live)
+            for entry in self.live.values() if self.track_parts else ():
                 self.parts[entry.kind] = self.parts.get(entry.kind, 0) + entry.nbytes
 
     def undo(self, point):
@@ -140,7 +143,7 @@ class Walk:
         before it ran). Their storages are freed as the walk's handles on them go."""
         del self.totals[point:], self.steps[point:]
         while self._peaks and self._peaks[-1][0] >= point:
-            _, self.peak, self.where, self.parts = self._peaks.pop()
+            _, self.peak, self.where, self.parts, self.peak_count = self._peaks.pop()
 
     def free(self, entry):
         if self.live.pop(id(entry), None) is not None:

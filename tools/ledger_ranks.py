@@ -4,8 +4,8 @@ Run by tools/ledger.py (and tools/chapter.py) under torchrun, gloo on CPU:
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tools/ledger_ranks.py [train.py flags] --into=F
 
-For each SHARD: build the run, one step (AdamW makes its states), then one step measured on
-every rank (ledger/measure.measure: the storages, as the single-process ledger counts them)
+For each SHARD: build the run, one step (AdamW makes its states), then one step of ACCUM
+micro-steps measured on every rank (ledger/measure.measure: the storages, as the single-process ledger counts them)
 with its collectives counted (ledger/comm.Count). Rank 0 gathers every rank's figures, with
 the formula's (ledger/shard.rank_states), and writes F as JSON.
 """
@@ -46,7 +46,7 @@ def measure_shard(cfg, shard, rank, world):
     batch = measure.random_batch(cfg, device)
     accumulate.accumulation_step(run_model, parts, [batch])  # AdamW's states exist from here: the steady state
     with comm.Count() as count:
-        meas = measure.measure(run_model, parts, batch, device)
+        meas = measure.measure(run_model, parts, batch, device, micro_steps=cfg.accum)
     return dict(rank=rank, measured={k: meas.get(k) for k in MEASURED},
                 formula=ls.rank_states(cfg, shard, world, rank), calls=dict(count.kinds()), volume=count.volume(),
                 elements=count.elements(), elements_formula=ls.step_elements(cfg, shard, world))
