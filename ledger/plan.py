@@ -328,9 +328,7 @@ def fit(row, one, gpu, world, n, befores, cuda, context):
         row.why = f"states alone {row.states / GIB:.1f} GiB"
         return
     later, one_step = Peaks(one, world, 2, befores), Peaks(one, world, 1, befores)
-    if cuda:  # each storage rounded up to 512 bytes; one over 1 MiB may sit in a block up to 1 MiB larger
-        count, large = later.storages()
-        row.budget -= (MIN_BLOCK - 1) * count + SMALL_SIZE * large
+    row.budget = budget(later, gpu, context, cuda)
     most = later.largest(row.budget) if n > 1 else 1
     if most >= n:  # one micro-step holds the whole batch: K = 1, which peaks no higher than K = 2
         row.b, row.accum = n, 1
@@ -344,7 +342,17 @@ def fit(row, one, gpu, world, n, befores, cuda, context):
         row.why = f"b=1 peaks at {row.peak / GIB:.1f} GiB ({row.where})"
 
 
-def largest_micro_batch(cfg, budget, world=1, micro_steps=1):
-    """The largest micro-batch of cfg (its shard, over `world` ranks) whose peak fits `budget` bytes:
-    the what-if's (ledger/parallel.what_if) and the plan's one solve (Peaks.largest)."""
-    return Peaks(cfg, world, micro_steps).largest(budget)
+def budget(peaks, gpu, context, cuda=True):
+    """The bytes a peak may reach on `gpu`: its total less the CUDA context and the allocator's bound
+    at the storages alive at peaks' highest point (each rounded up to 512 bytes; one over 1 MiB may
+    sit in a block up to 1 MiB larger: ledger/measure.allocator_bounds); on CPU its bytes as given."""
+    if not cuda:
+        return gpu.total
+    count, large = peaks.storages()
+    return gpu.total - context - (MIN_BLOCK - 1) * count - SMALL_SIZE * large
+
+
+def largest_micro_batch(cfg, nbytes, world=1, micro_steps=1):
+    """The largest micro-batch of cfg (its shard, over `world` ranks) whose peak fits `nbytes`: the
+    what-if's (ledger/parallel.what_if) and the plan's one solve (Peaks.largest)."""
+    return Peaks(cfg, world, micro_steps).largest(nbytes)
