@@ -81,7 +81,7 @@ help: $(DEPS)  ## this list; CKPT's choices are read from checkpoint.POLICIES
 	@echo "make underflow  the share of FP16 gradients lost without loss scaling"
 	@echo "make flops      each recompute policy's step FLOPs, counted by FlopCounterMode"
 	@echo "make reading    the lines a learner reads per mechanism, counted from the code (the README's tables)"
-	@echo "make gpu-check  on a GPU: CUDA tests, ledger, benchmark (the fast config too), every step run -> out/gpu-check/summary.md"
+	@echo "make gpu-check  on a GPU: CUDA tests, ledger, the plan's check, benchmark (the fast config too), every step run -> out/gpu-check/summary.md"
 	@echo "variables: any config key in capitals (python train.py --help lists them), NPROC, PYTHON, ARGS='--key=value ...'"
 	@$(PY) -c 'import checkpoint; print("CKPT= recompute policies (one class each in checkpoint.py):"); \
 		[print(f"  {name:10} {policy.help}") for name, policy in checkpoint.POLICIES.items()]; \

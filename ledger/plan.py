@@ -54,6 +54,10 @@ GPUS = {  # name: (flops.CUDA_PEAK_TFLOPS key, nvidia-smi MiB, CUDA's total GiB 
 }
 DRIVER_MIB_WHEN_UNKNOWN = 768  # the largest driver reserve of the four GPUs above with both figures (A100-80GB)
 CONTEXT_MIB = 400  # the CUDA context with lazy module loading (CUDA >= 11.7): ~400 MB, pytorch/pytorch#109888
+# cuBLAS's workspace, taken from PyTorch's allocator per handle and stream: 4096 KiB x 8 on sm90 (Hopper),
+# else 2 x 4096 KiB + 8 x 16 KiB (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize)
+WORKSPACE = {"sm90": 4096 * 1024 * 8, "other": 4096 * 1024 * 2 + 16 * 1024 * 8}
+HOPPER = ("H200", "H100")
 MFU = 0.40  # the utilization of the GPU's peak the step time assumes, stated, not measured
 TARGET_TOKENS = 2 ** 19  # the default target batch, tokens per optimizer step (nanoGPT's GPT-2 run: 524,288)
 SIZE = re.compile(r"([0-9]+(?:[.][0-9]+)?)(GiB|GB|MiB|MB)")
@@ -62,12 +66,14 @@ SIZE = re.compile(r"([0-9]+(?:[.][0-9]+)?)(GiB|GB|MiB|MB)")
 @dataclass(frozen=True)
 class GPU:
     """A GPU the plan fits into: its name, the bytes CUDA reports (total), what the driver keeps
-    beyond that (driver), its peak TFLOP/s per precision (None: given by size), the figures' source."""
+    beyond that (driver), its peak TFLOP/s per precision (None: given by size), the figures' source,
+    and cuBLAS's workspace there (the larger, sm90's, for a GPU given by size)."""
     name: str
     total: int
     driver: int
     tflops: dict
     source: str
+    workspace: int = WORKSPACE["sm90"]
 
 
 def find_gpu(text):
@@ -85,7 +91,8 @@ def find_gpu(text):
                          + (f"; the nearest is {' or '.join(nearest)}" if nearest else "") + ", nor a size such as 24GiB")
     key, smi_mib, cuda_gib, source = GPUS[name]
     driver = smi_mib * MIB - int(cuda_gib * GIB) if cuda_gib else DRIVER_MIB_WHEN_UNKNOWN * MIB
-    return GPU(name, smi_mib * MIB - driver, driver, flops.CUDA_PEAK_TFLOPS[key], source)
+    return GPU(name, smi_mib * MIB - driver, driver, flops.CUDA_PEAK_TFLOPS[key], source,
+               WORKSPACE["sm90" if name in HOPPER else "other"])
 
 
 # ---------------------------------------------------------------- one configuration, every micro-batch
@@ -343,13 +350,16 @@ def fit(row, one, gpu, world, n, befores, cuda, context):
 
 
 def budget(peaks, gpu, context, cuda=True):
-    """The bytes a peak may reach on `gpu`: its total less the CUDA context and the allocator's bound
-    at the storages alive at peaks' highest point (each rounded up to 512 bytes; one over 1 MiB may
-    sit in a block up to 1 MiB larger: ledger/measure.allocator_bounds); on CPU its bytes as given."""
-    if not cuda:
-        return gpu.total
+    """The bytes a peak may reach on `gpu`: its total less the CUDA context, cuBLAS's workspace and
+    allocator_bound; on CPU its bytes as given (ledger/measure.py counts live storages: nothing else)."""
+    return gpu.total - context - gpu.workspace - allocator_bound(peaks) if cuda else gpu.total
+
+
+def allocator_bound(peaks):
+    """What CUDA's caching allocator may count beyond the storages alive at peaks' highest point: each
+    rounded up to 512 bytes, one over 1 MiB in a block up to 1 MiB larger (ledger/measure.allocator_bounds)."""
     count, large = peaks.storages()
-    return gpu.total - context - (MIN_BLOCK - 1) * count - SMALL_SIZE * large
+    return (MIN_BLOCK - 1) * count + SMALL_SIZE * large
 
 
 def largest_micro_batch(cfg, nbytes, world=1, micro_steps=1):

@@ -3,6 +3,7 @@ its solve is the search's, and on CPU its micro-batch peaks at or under the budg
 over it, as ledger/measure.py measures them (one process and ZeRO-2 over 2 gloo ranks)."""
 import json
 import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -17,7 +18,7 @@ from guards import cli
 from ledger import measure, step
 from ledger import plan as lp
 from ledger import shard as ls
-from tools import gpu_check
+from tools import gpu_check, plan_check
 from tools import plan as tool
 
 TINY = dict(n_layer=2, n_embd=32, n_head=2, block_size=64, vocab_size=256, device="cpu")  # activations dominate
@@ -171,15 +172,28 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, argv, sa
 
 
 def test_make_plan_passes_nproc():
-    r = subprocess.run(["make", "-n", "plan", f"PYTHON={ROOT / '.venv' / 'bin' / 'python'}", "NPROC=8", "N_LAYER=2"],
-                       cwd=ROOT, capture_output=True, text=True)
-    if r.returncode and "is not an interpreter" in r.stderr:
-        r = subprocess.run(["make", "-n", "plan", "PYTHON=python3", "NPROC=8", "N_LAYER=2"], cwd=ROOT,
-                           capture_output=True, text=True)
+    # NPROC is no config key: make hands it to the plan as its own flag, quoted as every value
+    r = subprocess.run(["make", "-n", "plan", f"PYTHON={sys.executable}", "NPROC=8", "N_LAYER=2"], cwd=ROOT,
+                       capture_output=True, text=True)
     assert r.returncode == 0 and "'--nproc=8'" in r.stdout and "'--n_layer=2'" in r.stdout, r.stdout + r.stderr
 
 
-def test_gpu_check_carries_the_plans_cuda_check():
-    # its command line, and the summary's reading of what it writes (it runs on a GPU only)
-    plan_steps = [s for s in gpu_check.steps("python", [], ROOT / "out" / "gpu-check") if s.name == "plan"]
-    assert len(plan_steps) == 1 and plan_steps[0].argv[1] == "tools/plan_check.py"
+def test_gpu_check_carries_the_plans_cuda_check(tmp_path, capsys):
+    # it runs on a GPU only: here its command line, its one line without one, the summary's reading of its figures
+    plan_steps = [s for s in gpu_check.steps("python", ["--precision=fp16"], tmp_path) if s.name == "plan"]
+    assert len(plan_steps) == 1 and plan_steps[0].argv[1:] == ["tools/plan_check.py", "--precision=fp16",
+                                                               "--device=cuda", f"--out_dir={tmp_path / 'plan'}"]
+    if not torch.cuda.is_available():
+        assert plan_check.main([f"--out_dir={tmp_path / 'plan'}"]) == 2
+        assert capsys.readouterr().err.strip() == "error: no CUDA device here: the plan's check runs on a GPU " \
+                                                  "(make gpu-check)"
+    figures = dict(device="NVIDIA H200", cuda_total=150 * 2 ** 30, free=149 * 2 ** 30, context=2 ** 29,
+                   workspace=2 ** 25, smi_total=151 * 2 ** 30, driver=2 ** 30, emulated=10 * 2 ** 30,
+                   cap=19 * 2 ** 29, bound=2 ** 28, b=4, predicted=9 * 2 ** 30, predicted_next=11 * 2 ** 30,
+                   precision="bf16", ckpt="none", attn="manual", allocated=9 * 2 ** 30 + 2 ** 25,
+                   reserved=9 * 2 ** 30 + 2 ** 26, next_fits=False, next_allocated=None, ok=True)
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "plan" / "plan_check.json").write_text(json.dumps(figures))
+    text = "\n".join(plan_steps[0].figures())
+    assert "the CUDA context 512 MiB" in text and "slack 32 MiB (bound 256 MiB)" in text and \
+        "micro-batch 5 (predicted 11,811,160,064): out of memory, as planned" in text, text
