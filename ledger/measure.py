@@ -379,11 +379,11 @@ def phases(model, parts, observe):
 
 
 def measure(model, parts, batch, device, micro_steps=1):
-    """Run one accumulation_step of (model, parts) on one micro-batch, and count. Call it once the
-    optimizer states exist (after a first step): the steady state. micro_steps=K: the batch K times
-    (gradient accumulation); the activations and the saved tensors are the first micro-step's. Returns bytes per component (storage
-    sizes on every device; gradients: the .grad storages once backward is done, plus FP32 sums; fp8_kept:
-    the kept FP8 weight copies; activations: what SavedBytes saw the forward save, less those copies),
+    """Run one accumulation_step of (model, parts) on one micro-batch (micro_steps=K: K times; the activations
+    are the first's), and count. Call it once the optimizer states exist (after a first step): the steady
+    state. Returns bytes per component (storage sizes on every device; gradients: the .grad storages once
+    backward is done, plus FP32 sums; fp8_kept: the kept FP8 weight copies; activations: what SavedBytes
+    saw the forward save, less those copies),
     saved_tensors ({storage: SavedTensor}, for ledger/explain.py), the phase readings, the peak and its
     phase, forward_growth (the tracker's growth over the forward) and forward_storages (the sizes of
     the storages the forward left alive: activations, kept copies, the loss and the loss x weight,
@@ -400,8 +400,7 @@ def measure(model, parts, batch, device, micro_steps=1):
                optimizer=storage_bytes(opt.state_tensors(), device),
                inputs=storage_bytes(batch, device))
     module_path = ModulePath(model)
-    phase, saved, losses = {}, SavedBytes(static + list(batch), where=module_path), [None]
-    # the last forward's loss only: holding an earlier micro-step's would add its 4 bytes to the peak
+    phase, saved, losses = {}, SavedBytes(static + list(batch), where=module_path), [None]  # the last loss: no more
     hook = model.register_forward_hook(lambda module, args, output: losses.__setitem__(-1, output[1]))
 
     def observe(name, weighted_loss=None):

@@ -2,7 +2,7 @@
 costs, from the exact peak walk. tools/plan.py (`make plan`) prints them, fastest first.
 
 Chapter section 4 ("the whole picture"), put to work: which precision, recompute policy and sharding
-fit a given GPU. Read memory_ledger.peak_walk and ledger/shard.py first (one rank's step, walked),
+fit a given GPU. Read first: memory_ledger.peak_walk and ledger/shard.py (one rank's step, walked),
 then `Peaks` (one configuration's peak as a function of the micro-batch), then `plan`.
 
 Nothing is built: the description is walked (ledger/walk.py); model.GPT only on the meta device, for
@@ -88,7 +88,8 @@ def find_gpu(text):
         nearest = [n for n in GPUS if n.lower().startswith(text.lower())] or \
             difflib.get_close_matches(text.upper(), list(GPUS), 1, 0.3)
         raise UsageError(f"--gpu={text} is no GPU of the table ({', '.join(GPUS)})"
-                         + (f"; the nearest is {' or '.join(nearest)}" if nearest else "") + ", nor a size such as 24GiB")
+                         + (f"; the nearest is {' or '.join(nearest)}" if nearest else "")
+                         + ", nor a size such as 24GiB")
     key, smi_mib, cuda_gib, source = GPUS[name]
     driver = smi_mib * MIB - int(cuda_gib * GIB) if cuda_gib else DRIVER_MIB_WHEN_UNKNOWN * MIB
     return GPU(name, smi_mib * MIB - driver, driver, flops.CUDA_PEAK_TFLOPS[key], source,
@@ -256,10 +257,11 @@ def flops_per_token(cfg):
 
 @dataclass
 class Row:
-    """One configuration of the plan. b, accum: the micro-batch and the micro-steps to the target
-    batch; peak and budget in bytes; sent: bytes a step's collectives move (the paper's volume);
-    step_s: the predicted step time (None without the GPU's FLOP/s); why: what stops it, or None."""
-    precision: str
+    """One configuration of the plan: its recipe (PRECISION's name), ckpt, shard and attn. b, accum:
+    the micro-batch and the micro-steps to the target batch; peak and budget in bytes; sent: bytes a
+    step's collectives move (the paper's volume); step_s: the predicted step time (None without the
+    GPU's FLOP/s); why: what stops it, or None."""
+    recipe: str
     ckpt: str
     shard: str
     attn: str
@@ -281,6 +283,9 @@ class Row:
         return self.tokens / self.step_s if self.step_s else None
 
 
+SEARCHED = ("precision", "ckpt", "shard", "attn")  # the keys a plan varies, in Row's order
+
+
 def configurations(world):
     """Every (precision, ckpt, shard, attn) to try: every sharding only over more than one rank."""
     return [(p, c, s, a) for p in PRECISIONS for c in checkpoint.POLICIES for s in SHARDS for a in ATTENTIONS
@@ -289,39 +294,49 @@ def configurations(world):
 
 def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MIB * MIB):
     """[Row] for cfg's shape on `world` GPUs of `gpu` (a GPU), fastest first, then those that do not
-    fit or run, each with why. fixed: {key: value} of precision, ckpt, shard, attn not to vary.
-    On device cpu the budget is gpu.total exactly (no CUDA context, no allocator)."""
+    fit or run, each with why. fixed: {key: value} of SEARCHED not to vary. On device cpu the budget
+    is gpu.total exactly (no CUDA context, no allocator)."""
     cuda, befores, rows = cfg.device != "cpu", {}, []
     n = target_tokens // (world * cfg.block_size)  # micro-batch x K: sequences per rank per step
     for combo in configurations(world):
-        row = Row(*combo)
-        if any(fixed and k in fixed and fixed[k] != v for k, v in zip(("precision", "ckpt", "shard", "attn"), combo)):
+        if any(fixed and k in fixed and fixed[k] != v for k, v in zip(SEARCHED, combo)):
             continue
+        row, one = Row(*combo), replace(cfg, **dict(zip(SEARCHED, combo)), batch_size=1, accum=1,
+                                        total_batch_tokens=0, device="cuda" if cuda else "cpu")
         rows.append(row)
-        one = replace(cfg, precision=row.precision, ckpt=row.ckpt, shard=row.shard, attn=row.attn, batch_size=1,
-                      device="cuda" if cuda else "cpu", accum=1, total_batch_tokens=0)
         try:
             validate(one)
             checkpoint.policy(one)
         except UsageError as e:
             row.why = re.split(r"[:;(]", str(e))[0].strip().lstrip("-")
             continue
-        if gpu.tflops is not None and gpu.tflops[row.precision] is None:
-            row.why = f"does not run: {gpu.name} has no {row.precision.upper()} units"
+        rec = precision.recipe(one)
+        if gpu.tflops is not None and gpu.tflops[rec.name] is None:
+            row.why = f"does not run: {gpu.name} has no {rec.name.upper()} units"
             continue
         fit(row, one, gpu, world, n, befores, cuda, context)
-        model_f, again_f, fp8_f = flops_per_token(one)
-        row.recompute, row.estimate = again_f / model_f, row.shard == "fsdp"
+        row.recompute, row.estimate = recompute_share(one), row.shard == "fsdp"
         row.tokens, row.sent = world * row.b * row.accum * cfg.block_size, ls.step_bytes(one, row.shard, world,
                                                                                           row.accum)
         peak_tflops = gpu.tflops or ({p: cfg.peak_flops / 1e12 for p in PRECISIONS} if cfg.peak_flops else None)
         if row.why is None and peak_tflops:
-            per_gpu = row.b * row.accum * cfg.block_size  # tokens
-            seconds = fp8_f / peak_tflops["fp8"] + (model_f + again_f - fp8_f) / peak_tflops[
-                "bf16" if row.precision == "fp8" else row.precision]
-            row.step_s = per_gpu * seconds / 1e12 / mfu
+            row.step_s = row.b * row.accum * cfg.block_size * seconds_per_token(one, peak_tflops) / mfu
     return sorted(rows, key=lambda r: (r.why is not None, -(r.tokens_per_s or 0), r.recompute, r.sent,
                                        -(r.budget - r.peak)))
+
+
+def recompute_share(cfg):
+    model_f, again_f, _ = flops_per_token(cfg)
+    return again_f / model_f
+
+
+def seconds_per_token(cfg, peak_tflops):
+    """At 100% of the peak: the FP8 FLOPs at FP8's peak, the rest (all of it but under fp8) at the
+    precision's own (fp8: BF16's, its backward's)."""
+    rec = precision.recipe(cfg)
+    model_f, again_f, fp8_f = flops_per_token(cfg)
+    in_fp8 = fp8_f / peak_tflops["fp8"] if fp8_f else 0.0
+    return (in_fp8 + (model_f + again_f - fp8_f) / peak_tflops["bf16" if rec.fp8 else rec.name]) / 1e12
 
 
 def fit(row, one, gpu, world, n, befores, cuda, context):

@@ -136,7 +136,7 @@ def optimizer_step(g, groups, master_grads, fp32_sums, shard):
     del master
 
 
-# ---------------------------------------------------------------- one walk up to the optimizer step, every rank's after it
+# ---------------------------------------------------------------- the walk to the optimizer step, then each rank's
 
 @dataclass(frozen=True)
 class Before:
@@ -188,6 +188,8 @@ def tail(before, static, optimizer):
         g.grads[".grad"] = g.new("the optimizer step begins: .grad", ".grad", before.grads)
         g.grads[".grad"].storage.entry.grad = True
     if before.kept:
-        g.kept["FP8 weights"] = {"copies": g.new("the optimizer step begins: the kept FP8 weights", "kept", before.kept)}
+        kept = g.new("the optimizer step begins: the kept FP8 weights", "kept", before.kept)
+        g.kept["FP8 weights"] = {"copies": kept}
+        del kept  # the optimizer step's release must free it
     optimizer(g)
     return g.walk

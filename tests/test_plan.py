@@ -87,8 +87,8 @@ def test_planned_micro_batch_fits_and_the_next_does_not_as_measured(precision, c
     assert (row.b, row.accum) == (3, 2), f"planned b={row.b} K={row.accum} against {budget:,} bytes"
     model, parts = train.build(replace(cfg, batch_size=row.b), torch.device("cpu"))
     accumulate.accumulation_step(model, parts, [measure.random_batch(cfg, "cpu", row.b)])  # the optimizer states
-    fits, over = (measure.measure(model, parts, measure.random_batch(cfg, "cpu", b), "cpu", micro_steps=row.accum)["peak"]
-                  for b in (row.b, row.b + 1))
+    fits, over = (measure.measure(model, parts, measure.random_batch(cfg, "cpu", b), "cpu",
+                                  micro_steps=row.accum)["peak"] for b in (row.b, row.b + 1))
     assert fits == row.peak <= budget < over, f"{precision} {ckpt}: planned b={row.b} peaks at {row.peak:,} bytes, " \
                                               f"measured {fits:,}; b={row.b + 1} measured {over:,}; budget {budget:,}"
 
@@ -190,7 +190,7 @@ def test_gpu_check_carries_the_plans_cuda_check(tmp_path, capsys):
     figures = dict(device="NVIDIA H200", cuda_total=150 * 2 ** 30, free=149 * 2 ** 30, context=2 ** 29,
                    workspace=2 ** 25, smi_total=151 * 2 ** 30, driver=2 ** 30, emulated=10 * 2 ** 30,
                    cap=19 * 2 ** 29, bound=2 ** 28, b=4, predicted=9 * 2 ** 30, predicted_next=11 * 2 ** 30,
-                   precision="bf16", ckpt="none", attn="manual", allocated=9 * 2 ** 30 + 2 ** 25,
+                   recipe="bf16", ckpt="none", attn="manual", allocated=9 * 2 ** 30 + 2 ** 25,
                    reserved=9 * 2 ** 30 + 2 ** 26, next_fits=False, next_allocated=None, ok=True)
     (tmp_path / "plan").mkdir()
     (tmp_path / "plan" / "plan_check.json").write_text(json.dumps(figures))

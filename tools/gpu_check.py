@@ -58,7 +58,8 @@ def steps(python, flags, out):
     return [Step("tests", [python, "-m", "pytest", "-q", "-m", "cuda", "tests", "-p", "no:cacheprovider"], 150),
             Step("ledger", [python, "tools/ledger.py", *overridden(flags, ["--device=cuda", f"--out_dir={ledger_dir}"])],
                  90, lambda: ledger_figures(ledger_dir / "memory_ledger.json")),
-            Step("plan", [python, "tools/plan_check.py", *overridden(flags, ["--device=cuda", f"--out_dir={plan_dir}"])],
+            Step("plan", [python, "tools/plan_check.py",
+                          *overridden(flags, ["--device=cuda", f"--out_dir={plan_dir}"])],
                  90, lambda: plan_figures(plan_dir / "plan_check.json")),
             bench("fast", 60), bench("precision", 100), bench("fp8wide", 120), bench("ckpt", 120),
             bench("memory", 60)]

@@ -32,9 +32,8 @@ from ledger import plan as lp  # noqa: E402
 from ledger.measure import MIN_BLOCK, SMALL_SIZE  # noqa: E402
 from tools.ledger_report import fmt_bytes  # noqa: E402
 
-SEARCHED = ("precision", "ckpt", "shard", "attn")
 SHAPE = ("n_layer", "n_embd", "n_head", "block_size", "vocab_size", "dropout", "bias")
-APPLIES = set(SHAPE + SEARCHED) | {"total_batch_tokens", "device", "out_dir", "peak_flops", "fp32_grad_accum",
+APPLIES = set(SHAPE + lp.SEARCHED) | {"total_batch_tokens", "device", "out_dir", "peak_flops", "fp32_grad_accum",
                                    "ckpt_segment"}
 MAKE_NAMES = dict(n_layer="N_LAYER", n_embd="N_EMBD", n_head="N_HEAD", block_size="BLOCK_SIZE",
                   vocab_size="VOCAB_SIZE", dropout="DROPOUT", bias="BIAS", fp32_grad_accum="FP32_GRAD_ACCUM",
@@ -74,15 +73,17 @@ def options(argv):
     if target % step_tokens:
         raise UsageError(f"--total_batch_tokens={target} is not a multiple of NPROC x block_size = {opts.nproc} x "
                          f"{cfg.block_size} = {step_tokens}")
-    return cfg, opts, gpu, target, {k: getattr(cfg, k) for k in SEARCHED if k in named}
+    return cfg, opts, gpu, target, {k: getattr(cfg, k) for k in lp.SEARCHED if k in named}
 
 
 def command(cfg, row, world):
     """The make line that runs `row`: make train (one GPU) or make ddp NPROC=world."""
     words = ["make", "ddp", f"NPROC={world}"] if world > 1 else ["make", "train"]
-    words += [f"{MAKE_NAMES[k]}={str(getattr(cfg, k)).lower() if isinstance(getattr(cfg, k), bool) else getattr(cfg, k)}"
-              for k in MAKE_NAMES if getattr(cfg, k) != getattr(Config, k)]
-    words += [f"PRECISION={row.precision}", f"CKPT={row.ckpt}", f"ATTN={row.attn}"]
+    for flag in cli.flags(cfg):  # the shape's keys off their defaults, as make variables
+        name, value = flag[2:].split("=", 1)
+        if name in MAKE_NAMES:
+            words.append(f"{MAKE_NAMES[name]}={value}")
+    words += [f"PRECISION={row.recipe}", f"CKPT={row.ckpt}", f"ATTN={row.attn}"]
     words += [f"SHARD={row.shard}"] if world > 1 else []
     words += [f"BATCH_SIZE={row.b}", f"ACCUM={row.accum}"]
     if row.shard == "fsdp" and row.accum > 1:  # no_sync under FSDP keeps whole FP32 gradients between micro-steps
@@ -97,7 +98,8 @@ def margin_lines(cfg, gpu, opts):
                 f"counts live storages)"]
     lines = [f"budget per GPU: {gpu.name}, {fmt_bytes(gpu.total)} as CUDA reports it"]
     if gpu.driver:
-        lines[0] += f" ({fmt_bytes(gpu.total + gpu.driver)} in nvidia-smi less {fmt_bytes(gpu.driver)} the driver keeps)"
+        lines[0] += f" ({fmt_bytes(gpu.total + gpu.driver)} in nvidia-smi less {fmt_bytes(gpu.driver)} the driver " \
+                    f"keeps)"
     lines[0] += f"; figures from {gpu.source}"
     lines += [f"  - {opts.context_mib} MiB the CUDA context (~400 MB with lazy module loading: pytorch/pytorch#109888)",
               f"  - {fmt_bytes(gpu.workspace)} cuBLAS's workspace, from PyTorch's allocator (CublasHandlePool.cpp: "
@@ -120,7 +122,7 @@ def table(rows):
             continue
         step = f"{r.step_s:7.2f}s" if r.step_s else "-"
         speed = f"{r.tokens_per_s:12,.0f}" if r.tokens_per_s else "-"
-        out.append(f"{r.precision:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.b:4d} {r.accum:4d} "
+        out.append(f"{r.recipe:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.b:4d} {r.accum:4d} "
                    f"{fmt_bytes(r.peak):>9}{'~' if r.estimate else ' '} {fmt_bytes(r.budget - r.peak):>10} "
                    f"{100 * r.recompute:+8.1f}% {fmt_bytes(r.sent):>10} {step:>8} {speed:>12}")
     return out
@@ -183,21 +185,22 @@ def program(argv):
         "PEAK_FLOPS" if cfg.peak_flops else None
     print(f"step = (model + recompute FLOPs) per GPU / ({peak_source} x MFU {opts.mfu:.0%}); fp8: the blocks' "
           f"Linears' forward at FP8's peak, the rest at BF16's" if peak_source else
-          "step time: no FLOP/s for a GPU given by its size (PEAK_FLOPS=... gives one); sorted by recompute, then bytes")
-    print(f"\n{len(fits)} configurations fit, fastest first (peak: the highest rank's, walked op by op: on CPU "
-          f"what ledger/measure.py measures; ~: fsdp, the textbook ZeRO-3 walk, an estimate; sent: what a step's collectives move per rank, the ZeRO paper's volume):")
+          "step time: no FLOP/s for a GPU given by its size (PEAK_FLOPS=... gives one): sorted by recompute, bytes")
+    print(f"\n{len(fits)} configurations fit, fastest first (peak: the highest rank's, walked op by op: on CPU what "
+          f"ledger/measure.py measures; ~: fsdp, the textbook ZeRO-3 walk, an estimate; sent: what a step's "
+          f"collectives move per rank, the ZeRO paper's volume):")
     print("\n".join(table(rows)))
     if fits:
         best = fits[0]
-        print(f"\nbest: {best.precision} {best.ckpt} {best.shard} {best.attn}, micro-batch {best.b} x {best.accum} "
+        print(f"\nbest: {best.recipe} {best.ckpt} {best.shard} {best.attn}, micro-batch {best.b} x {best.accum} "
               f"micro-steps x {world} GPUs; peak at {best.where}\n  {command(cfg, best, world)}")
     print(f"\ndoes not fit or run ({len(rows) - len(fits)}):")
-    print("\n".join(f"  {r.precision:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.why}" for r in rows if r.why))
+    print("\n".join(f"  {r.recipe:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.why}" for r in rows if r.why))
     chosen = fits[0] if fits else rows[0]
-    pictured = [r for r in rows if r.precision == chosen.precision and r.attn == chosen.attn and (r.peak or r.states)]
+    pictured = [r for r in rows if (r.recipe, r.attn) == (chosen.recipe, chosen.attn) and (r.peak or r.states)]
     pictured.sort(key=lambda r: (list(checkpoint.POLICIES).index(r.ckpt), r.shard))
     picture = svg(pictured, f"{cfg.n_layer} layers, width {cfg.n_embd}, context {cfg.block_size} on {world} x "
-                            f"{gpu.name}: {chosen.precision}, attn {chosen.attn}")
+                            f"{gpu.name}: {chosen.recipe}, attn {chosen.attn}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda fh: fh.write(picture.encode()))

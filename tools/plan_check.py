@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import accumulate  # noqa: E402
+import precision  # noqa: E402
 import train  # noqa: E402
 from config import UsageError, key  # noqa: E402
 from guards import cli  # noqa: E402
@@ -115,7 +116,7 @@ def program(argv):
     torch.cuda.set_per_process_memory_fraction(cap / found["cuda_total"], device)
     fits, next_one = train_steps(cfg, b, 2, device), train_steps(cfg, b + 1, 2, device)
     figures = dict(found, emulated=size, cap=cap, bound=bound, b=b, predicted=peaks.at(b)[0],
-                   predicted_next=peaks.at(b + 1)[0], precision=cfg.precision, ckpt=cfg.ckpt, attn=cfg.attn,
+                   predicted_next=peaks.at(b + 1)[0], recipe=precision.recipe(cfg).name, ckpt=cfg.ckpt, attn=cfg.attn,
                    allocated=fits and fits[0], reserved=fits and fits[1], next_fits=next_one is not None,
                    next_allocated=next_one and next_one[0], ok=fits is not None and next_one is None)
     text = json.dumps(figures, indent=1)
@@ -131,15 +132,15 @@ def summary(f):
     lines = [f"{f['device']}: CUDA's total {mib(f['cuda_total'])}, nvidia-smi's {mib(f['smi_total'])} (the driver "
              f"keeps {mib(f['driver'])}); the CUDA context {mib(f['context'])} (the plan assumes "
              f"{lp.CONTEXT_MIB} MiB); cuBLAS's workspace {mib(f['workspace'])}",
-             f"emulated GPU {mib(f['emulated'])}: the allocator capped at {mib(f['cap'])}; {f['precision']} "
+             f"emulated GPU {mib(f['emulated'])}: the allocator capped at {mib(f['cap'])}; {f['recipe']} "
              f"{f['ckpt']} {f['attn']}, planned micro-batch {f['b']} (2 micro-steps), peak predicted "
              f"{f['predicted']:,} bytes, the plan's allocator bound {mib(f['bound'])}"]
     if f["allocated"] is None:
         lines.append(f"FAILED: micro-batch {f['b']} ran out of memory")
     else:
-        lines.append(f"micro-batch {f['b']} trained: allocated peak {f['allocated']:,} ({f['allocated'] - f['predicted']:+,} "
-                     f"vs predicted), reserved peak {f['reserved']:,}: slack {mib(f['reserved'] - f['allocated'])} "
-                     f"(bound {mib(f['bound'])})")
+        lines.append(f"micro-batch {f['b']} trained: allocated peak {f['allocated']:,} "
+                     f"({f['allocated'] - f['predicted']:+,} vs predicted), reserved peak {f['reserved']:,}: slack "
+                     f"{mib(f['reserved'] - f['allocated'])} (bound {mib(f['bound'])})")
     lines.append(f"micro-batch {f['b'] + 1} (predicted {f['predicted_next']:,}): "
                  + (f"FAILED: it trained too (allocated {f['next_allocated']:,})" if f["next_fits"]
                     else "out of memory, as planned"))
