@@ -1,10 +1,10 @@
-"""The rank-side half of tests/test_plan.py's ZeRO check, run by torchrun (gloo on CPU, 2 ranks).
+"""The rank-side half of tests/test_plan.py's sharded checks, run by torchrun (gloo on CPU, 2 ranks).
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/plan_worker.py OUT B1,B2 [train.py flags]
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/plan_worker.py OUT CASES [train.py flags]
 
-tools/ledger_ranks.measure_shard (the ledger's own sharded measurement) at each micro-batch B, with
-the flags' SHARD and ACCUM micro-steps: each rank's measured peak and the bytes its step sent.
-Rank 0 writes OUT as JSON: {B: [[peak, bytes sent] per rank]}.
+CASES: a JSON list of {config key: value}, each on top of the flags (SHARD, ACCUM, BATCH_SIZE...).
+Each is measured by tools/ledger_ranks.measure_shard, the ledger's own sharded measurement (ACCUM
+micro-steps). Rank 0 writes OUT as JSON: per case, [[peak, bytes sent] per rank].
 """
 import json
 import sys
@@ -20,16 +20,17 @@ from guards import cli  # noqa: E402
 from tools.ledger_ranks import measure_shard  # noqa: E402
 
 
-def main(out, batch_sizes, argv):
+def main(out, cases, argv):
     cfg = replace(cli.parse_args(argv), device="cpu")
     dist.init_process_group("gloo")
     try:
-        rank, world, figures = dist.get_rank(), dist.get_world_size(), {}
-        for b in map(int, batch_sizes.split(",")):
-            mine = measure_shard(replace(cfg, batch_size=b), cfg.shard, rank, world)
+        rank, world, figures = dist.get_rank(), dist.get_world_size(), []
+        for case in json.loads(cases):
+            one = replace(cfg, **case)
+            mine = measure_shard(one, one.shard, rank, world)
             every = [None] * world
             dist.all_gather_object(every, [mine["measured"]["peak"], mine["volume"]])
-            figures[b] = every
+            figures.append(every)
         if rank == 0:
             Path(out).write_text(json.dumps(figures))
         dist.barrier()

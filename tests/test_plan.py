@@ -93,24 +93,38 @@ def test_planned_micro_batch_fits_and_the_next_does_not_as_measured(precision, c
                                               f"measured {fits:,}; b={row.b + 1} measured {over:,}; budget {budget:,}"
 
 
+# where the optimizer step peaks (context 16): DDP's buckets, ZeRO-1's whole .grad, ZeRO-2's slice and gloo's copy
+OPTIMIZER_PEAKS = [dict(shard="none", precision="bf16"), dict(shard="zero1", precision="fp32"),
+                   dict(shard="zero2", precision="fp32")]
+
+
 def test_zero2_over_two_gloo_ranks_as_measured(tmp_path):
     # the same on 2 ranks: each rank's static bytes and optimizer step (ZeRO-2's slice, gloo's copy),
-    # measured by the ledger's own sharded runs (tools/ledger_ranks.measure_shard); what a step sends too
+    # measured by the ledger's own sharded runs (tools/ledger_ranks.measure_shard); what a step sends too;
+    # and where the optimizer step is the peak, each rank of DDP, ZeRO-1 and ZeRO-2 as walked
     cfg = Config(**TINY, precision="bf16", shard="zero2")
     budget = lp.Peaks(cfg, 2, 2).at(3)[0]
     row = plan_row(cfg, 2, budget)
     assert (row.b, row.accum) == (3, 2), f"planned b={row.b} K={row.accum}"
     assert "ZeRO" not in row.where, f"the peak falls in the optimizer step ({row.where}), where gloo frees its " \
                                     f"buffer when its thread lets go: the measurement may read it late"
-    out = tmp_path / "zero2.json"
-    r = torchrun([ROOT / "tests" / "plan_worker.py", out, f"{row.b},{row.b + 1}", *cli.flags(replace(cfg, accum=2))])
+    tails = [replace(cfg, block_size=16, batch_size=2, **over) for over in OPTIMIZER_PEAKS]
+    cases = [dict(batch_size=b, accum=2) for b in (row.b, row.b + 1)] + \
+        [dict(block_size=16, batch_size=2, **over) for over in OPTIMIZER_PEAKS]
+    out = tmp_path / "sharded.json"
+    r = torchrun([ROOT / "tests" / "plan_worker.py", out, json.dumps(cases), *cli.flags(cfg)])
     assert r.returncode == 0, r.stderr[-2000:]
-    measured = json.loads(out.read_text())
-    fits, over = (max(peak for peak, _ in measured[str(b)]) for b in (row.b, row.b + 1))
-    assert fits == row.peak <= budget < over, f"zero2 over 2 ranks: planned b={row.b} peaks at {row.peak:,} " \
-                                              f"bytes, measured {fits:,}; b={row.b + 1} measured {over:,}"
-    sent = {sent for peak, sent in measured[str(row.b)]}
-    assert sent == {row.sent}, f"a step sent {sent} bytes per rank, the plan says {row.sent:,}"
+    fits, over, *optimizer_peaks = json.loads(out.read_text())
+    fits_peak, over_peak = max(peak for peak, _ in fits), max(peak for peak, _ in over)
+    assert fits_peak == row.peak <= budget < over_peak, f"zero2 over 2 ranks: planned b={row.b} peaks at " \
+        f"{row.peak:,} bytes, measured {fits_peak:,}; b={row.b + 1} measured {over_peak:,}"
+    assert {sent for _, sent in fits} == {row.sent}, f"a step sent {fits} (peak, bytes) per rank, the plan says {row.sent:,}"
+    for one, ranks in zip(tails, optimizer_peaks):
+        for rank, (peak, _) in enumerate(ranks):
+            w = walked(one, 2, rank, 1)
+            assert "optimizer step" in w.where or "ZeRO" in w.where, f"{one.shard}: peaks at {w.where}"
+            assert peak == w.peak, f"{one.shard} {one.precision}, rank {rank}: walked {w.peak:,} bytes (at {w.where}), " \
+                                   f"measured {peak:,}"
 
 
 def test_one_walk_serves_every_sharding_and_rank(monkeypatch):
