@@ -118,13 +118,14 @@ def test_zero2_over_two_gloo_ranks_as_measured(tmp_path):
     fits_peak, over_peak = max(peak for peak, _ in fits), max(peak for peak, _ in over)
     assert fits_peak == row.peak <= budget < over_peak, f"zero2 over 2 ranks: planned b={row.b} peaks at " \
         f"{row.peak:,} bytes, measured {fits_peak:,}; b={row.b + 1} measured {over_peak:,}"
-    assert {sent for _, sent in fits} == {row.sent}, f"a step sent {fits} (peak, bytes) per rank, the plan says {row.sent:,}"
+    assert {sent for _, sent in fits} == {row.sent}, f"a step sent {fits} (peak, bytes) per rank, the plan " \
+                                                     f"says {row.sent:,}"
     for one, ranks in zip(tails, optimizer_peaks):
         for rank, (peak, _) in enumerate(ranks):
             w = walked(one, 2, rank, 1)
             assert "optimizer step" in w.where or "ZeRO" in w.where, f"{one.shard}: peaks at {w.where}"
-            assert peak == w.peak, f"{one.shard} {one.precision}, rank {rank}: walked {w.peak:,} bytes (at {w.where}), " \
-                                   f"measured {peak:,}"
+            assert peak == w.peak, f"{one.shard} {one.precision}, rank {rank}: walked {w.peak:,} bytes " \
+                                   f"(at {w.where}), measured {peak:,}"
 
 
 def test_one_walk_serves_every_sharding_and_rank(monkeypatch):
