@@ -159,15 +159,22 @@ def test_the_gpu_table_and_sizes():
 
 
 def test_the_command_prints_the_table_the_best_line_and_the_picture(tmp_path, capsys):
+    # the best row is the table's first, and the make line printed under it runs exactly that row
     out_dir = tmp_path / "out"
-    status = tool.main(["--n_layer=2", "--n_embd=64", "--n_head=2", "--block_size=32", "--nproc=2", "--gpu=L4",
-                        "--precision=bf16", f"--out_dir={out_dir}"])
+    argv = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--block_size=32", "--nproc=2", "--gpu=1GiB",
+            "--precision=bf16", "--total_batch_tokens=1048576"]
+    status = tool.main(argv + [f"--out_dir={out_dir}"])
     text = capsys.readouterr().out
     assert status == 0 and "configurations fit, fastest first" in text and "does not fit or run" in text
-    best = next(line.strip() for line in text.splitlines() if line.strip().startswith("make ddp NPROC=2 "))
+    lines = text.splitlines()
+    first = lines[next(i for i, line in enumerate(lines) if line.startswith("precision ")) + 1].split()
+    best = next(line.strip() for line in lines if line.strip().startswith("make ddp NPROC=2 "))
     flags = [f"--{word.split('=')[0].lower()}={word.split('=')[1]}" for word in best.split()[3:]]
-    cfg = cli.parse_args(flags)  # the printed command is a run train.py accepts
-    assert (cfg.n_layer, cfg.n_embd, cfg.precision) == (2, 64, "bf16") and cfg.batch_size >= 1
+    cfg = cli.parse_args(flags)  # a run train.py accepts
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size) == (2, 64, 2, 32)
+    assert [cfg.precision, cfg.ckpt, cfg.shard, cfg.attn, str(cfg.batch_size), str(cfg.accum)] == first[:6], \
+        f"the table's best row {first[:6]}, the command runs {flags}"
+    assert cfg.accum > 1 and cfg.batch_size * cfg.accum * 2 * cfg.block_size == 2 ** 20  # the target, on 2 GPUs
     assert (out_dir / "plan.svg").read_text().startswith("<svg")
 
 

@@ -178,7 +178,7 @@ def program(argv):
     P = ml.param_count(replace(cfg, device="cuda"))[0]
     fits = [r for r in rows if r.why is None]
     print(f"plan: L={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} s={cfg.block_size} V={cfg.vocab_size} "
-          f"({P / 1e9:.2f}B parameters) on {world} x {gpu.name}, {target:,} tokens per optimizer step "
+          f"({P:,} parameters) on {world} x {gpu.name}, {target:,} tokens per optimizer step "
           f"({target // (world * cfg.block_size)} sequences per GPU)")
     print("\n".join(margin_lines(cfg, gpu, opts)))
     peak_source = "the GPU's peak (flops.CUDA_PEAK_TFLOPS)" if gpu.tflops else \
