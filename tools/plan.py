@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 
 import checkpoint  # noqa: E402
 import memory_ledger as ml  # noqa: E402
-from config import Config, UsageError, key  # noqa: E402
+from config import SHARDS, UsageError, key  # noqa: E402
 from guards import cli  # noqa: E402
 from guards.files import check_writable, write_atomically  # noqa: E402
 from ledger import plan as lp  # noqa: E402
@@ -128,9 +128,18 @@ def table(rows):
     return out
 
 
+def pictured_pair(rows):
+    """The precision and attention the picture shows: the one whose policies and shardings run most
+    (fp8 runs no fsdp, sdpa no selective), the fastest of those."""
+    pairs = {(r.recipe, r.attn) for r in rows}
+    runs = lambda pair: [r for r in rows if (r.recipe, r.attn) == pair and (r.peak or r.states)]  # noqa: E731
+    return max(pairs, key=lambda pair: (len(runs(pair)), max((r.tokens_per_s or 0) for r in runs(pair) or rows),
+                                        -sum(r.peak for r in runs(pair))))
+
+
 def svg(rows, title):
-    """Per recompute policy and sharding (the best row's precision and attention): the peak at the
-    largest micro-batch that fits, the states apart from the rest, against the budget's line."""
+    """Per recompute policy and sharding (one precision and attention): the peak at the largest
+    micro-batch that fits, the states apart from the rest, against the budget's line."""
     W, left, bar, gap, head = 900, 230, 16, 6, 56
     H = head + len(rows) * (bar + gap) + 40
     top = max([r.peak for r in rows] + [r.states for r in rows] + [r.budget for r in rows]) or 1
@@ -196,11 +205,11 @@ def program(argv):
               f"micro-steps x {world} GPUs; peak at {best.where}\n  {command(cfg, best, world)}")
     print(f"\ndoes not fit or run ({len(rows) - len(fits)}):")
     print("\n".join(f"  {r.recipe:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.why}" for r in rows if r.why))
-    chosen = fits[0] if fits else rows[0]
-    pictured = [r for r in rows if (r.recipe, r.attn) == (chosen.recipe, chosen.attn) and (r.peak or r.states)]
-    pictured.sort(key=lambda r: (list(checkpoint.POLICIES).index(r.ckpt), r.shard))
+    recipe, attn = pictured_pair(rows)
+    pictured = [r for r in rows if (r.recipe, r.attn) == (recipe, attn) and (r.peak or r.states)]
+    pictured.sort(key=lambda r: (list(checkpoint.POLICIES).index(r.ckpt), SHARDS.index(r.shard)))
     picture = svg(pictured, f"{cfg.n_layer} layers, width {cfg.n_embd}, context {cfg.block_size} on {world} x "
-                            f"{gpu.name}: {chosen.recipe}, attn {chosen.attn}")
+                            f"{gpu.name}: {recipe}, attn {attn}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda fh: fh.write(picture.encode()))
