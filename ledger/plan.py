@@ -54,9 +54,10 @@ GPUS = {  # name: (flops.CUDA_PEAK_TFLOPS key, nvidia-smi MiB, CUDA's total GiB 
 }
 DRIVER_MIB_WHEN_UNKNOWN = 768  # the largest driver reserve of the four GPUs above with both figures (A100-80GB)
 CONTEXT_MIB = 400  # the CUDA context with lazy module loading (CUDA >= 11.7): ~400 MB, pytorch/pytorch#109888
-# cuBLAS's workspace, taken from PyTorch's allocator per handle and stream: 4096 KiB x 8 on sm90 (Hopper),
-# else 2 x 4096 KiB + 8 x 16 KiB (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize)
-WORKSPACE = {"sm90": 4096 * 1024 * 8, "other": 4096 * 1024 * 2 + 16 * 1024 * 8}
+# cuBLAS's workspaces, taken from PyTorch's allocator per handle and stream: 4096 KiB x 8 on sm90 (Hopper),
+# else 2 x 4096 KiB + 8 x 16 KiB (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize), one
+# for the main thread and one for autograd's, which runs backward (ledger/run.blas_workspaces measures them)
+WORKSPACE = {"sm90": 2 * 4096 * 1024 * 8, "other": 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)}
 HOPPER = ("H200", "H100")
 MFU = 0.40  # the utilization of the GPU's peak the step time assumes, stated, not measured
 TARGET_TOKENS = 2 ** 19  # the default target batch, tokens per optimizer step (nanoGPT's GPT-2 run: 524,288)
@@ -67,7 +68,7 @@ SIZE = re.compile(r"([0-9]+(?:[.][0-9]+)?)(GiB|GB|MiB|MB)")
 class GPU:
     """A GPU the plan fits into: its name, the bytes CUDA reports (total), what the driver keeps
     beyond that (driver), its peak TFLOP/s per precision (None: given by size), the figures' source,
-    and cuBLAS's workspace there (the larger, sm90's, for a GPU given by size)."""
+    and cuBLAS's workspaces there (the larger, sm90's, for a GPU given by size)."""
     name: str
     total: int
     driver: int
@@ -365,7 +366,7 @@ def fit(row, one, gpu, world, n, befores, cuda, context):
 
 
 def budget(peaks, gpu, context, cuda=True):
-    """The bytes a peak may reach on `gpu`: its total less the CUDA context, cuBLAS's workspace and
+    """The bytes a peak may reach on `gpu`: its total less the CUDA context, cuBLAS's workspaces and
     allocator_bound; on CPU its bytes as given (ledger/measure.py counts live storages: nothing else)."""
     return gpu.total - context - gpu.workspace - allocator_bound(peaks) if cuda else gpu.total
 

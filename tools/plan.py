@@ -102,8 +102,8 @@ def margin_lines(cfg, gpu, opts):
                     f"keeps)"
     lines[0] += f"; figures from {gpu.source}"
     lines += [f"  - {opts.context_mib} MiB the CUDA context (~400 MB with lazy module loading: pytorch/pytorch#109888)",
-              f"  - {fmt_bytes(gpu.workspace)} cuBLAS's workspace, from PyTorch's allocator (CublasHandlePool.cpp: "
-              f"4096 KiB x 8 on sm90, else 2 x 4096 KiB + 8 x 16 KiB)",
+              f"  - {fmt_bytes(gpu.workspace)} cuBLAS's workspaces, from PyTorch's allocator: the main thread's and "
+              f"autograd's (CublasHandlePool.cpp: 4096 KiB x 8 each on sm90, else 2 x 4096 KiB + 8 x 16 KiB)",
               f"  - each row's allocator bound: {MIN_BLOCK - 1} bytes of rounding per storage alive at the peak and "
               f"up to {SMALL_SIZE // lp.MIB} MiB of block slack per storage over {SMALL_SIZE // lp.MIB} MiB "
               f"(CUDACachingAllocator.cpp: ledger/measure.allocator_bounds); segments left half-used between steps "

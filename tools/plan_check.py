@@ -3,8 +3,8 @@ micro-batch trains where the next one runs out of memory, on a smaller GPU emula
 
 A tool, not a chapter file. Read ledger/plan.py first (the planner, its `budget`). Two parts:
   1. the margin on this GPU: CUDA's total (torch), nvidia-smi's total (what the driver keeps is the
-     difference), and the CUDA context: what a process holds beyond PyTorch's allocator once CUDA and
-     cuBLAS are up (total - free - reserved);
+     difference), cuBLAS's workspaces (ledger/run.blas_workspaces) and the CUDA context: what a
+     process holds beyond PyTorch's allocator once CUDA and cuBLAS are up (total - free - reserved);
   2. a GPU of --emulate bytes (auto: the size at which the plan's micro-batch is --micro_batch exactly,
      so that one sequence more is a whole sequence's activations over): the allocator is capped at
      that size less the measured context (torch.cuda.set_per_process_memory_fraction), the plan's
@@ -34,6 +34,7 @@ from guards import cli  # noqa: E402
 from guards.files import check_writable, write_atomically  # noqa: E402
 from ledger import measure  # noqa: E402
 from ledger import plan as lp  # noqa: E402
+from ledger import run as ledger_run  # noqa: E402
 
 # GPT-2 small's blocks at context 2048: a sequence's activations (~2 GiB in bf16) dwarf the allocator's bound
 CHECK_SHAPE = dict(n_layer=12, n_embd=768, n_head=12, block_size=2048)
@@ -58,12 +59,10 @@ def smi_total():
 
 def margin(device):
     """What this GPU gives a process: CUDA's total, free once CUDA and cuBLAS are up, the context."""
-    a = torch.randn(256, 256, device=device)
-    (a @ a).sum().item()  # the context, cuBLAS's handle and workspace: what every run starts with
+    workspaces = ledger_run.blas_workspaces(device)  # the main thread's and autograd's: every run has both
     free, total = torch.cuda.mem_get_info(device)
     context = total - free - torch.cuda.memory_reserved(device)
-    workspace = torch.cuda.memory_allocated(device) - a.untyped_storage().nbytes()  # what stays of the matmul
-    del a
+    workspace = sum(workspaces.values()) if workspaces else torch.cuda.memory_allocated(device)
     smi = smi_total()
     return dict(device=torch.cuda.get_device_name(device), cuda_total=total, free=free, context=context,
                 workspace=workspace, smi_total=smi, driver=smi - total if smi else None)
@@ -131,7 +130,7 @@ def summary(f):
     mib = lambda n: f"{n / lp.MIB:,.0f} MiB" if n is not None else "-"  # noqa: E731
     lines = [f"{f['device']}: CUDA's total {mib(f['cuda_total'])}, nvidia-smi's {mib(f['smi_total'])} (the driver "
              f"keeps {mib(f['driver'])}); the CUDA context {mib(f['context'])} (the plan assumes "
-             f"{lp.CONTEXT_MIB} MiB); cuBLAS's workspace {mib(f['workspace'])}",
+             f"{lp.CONTEXT_MIB} MiB); cuBLAS's workspaces {mib(f['workspace'])}",
              f"emulated GPU {mib(f['emulated'])}: the allocator capped at {mib(f['cap'])}; {f['recipe']} "
              f"{f['ckpt']} {f['attn']}, planned micro-batch {f['b']} (2 micro-steps), peak predicted "
              f"{f['predicted']:,} bytes, the plan's allocator bound {mib(f['bound'])}"]
