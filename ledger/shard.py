@@ -14,6 +14,9 @@ Components (bytes), as ledger/measure.measure counts them, after a steady-state 
                   parameters are it)
   optimizer       AdamW's m and v, FP32, plus its FP32 step count per tensor (CPU only)
   step_gradients  the gradients alive while AdamW steps: .grad, the reduced slice, the FP32 sums
+
+Then what a step sends (step_elements, step_bytes), and one rank's step as ledger/step.py walks it
+(rank_static, optimizer_walk, zero_step): what ledger/plan.py's peaks are made of.
 """
 import functools
 import math

@@ -53,6 +53,9 @@ def test_the_plans_peak_is_the_walks_at_every_micro_batch(over, micro_steps):
         got = peaks.at(b)[0]
         assert got == truth, f"{over}, {micro_steps} micro-step(s), b={b}: the plan says {got:,} bytes at its " \
                              f"highest rank, the whole walks {truth:,}"
+        if micro_steps == 1:  # what lets the plan take K = 1 wherever K = 2 fits
+            later = lp.Peaks(cfg, world, 2, befores).at(b)[0]
+            assert got <= later, f"{over}, b={b}: one micro-step peaks at {got:,} bytes, two at {later:,}"
     assert peaks.lines is not None, f"{over}: the walks at b = 2 and 3 differ in their points"
 
 
