@@ -64,7 +64,7 @@ $(error error: NPROC=$(value NPROC) is more ranks than this machine's $(LIMIT) (
 endif
 endif
 
-.PHONY: help train test bench sample ddp ledger chapter dtypes underflow flops reading gpu-check clean
+.PHONY: help train test bench sample ddp ledger plan chapter dtypes underflow flops reading gpu-check clean
 
 help: $(DEPS)  ## this list; CKPT's choices are read from checkpoint.POLICIES
 	@echo "make train      train on the built-in data (PRECISION=fp32|bf16|fp16|fp8 CKPT=<a policy, below> ACCUM=K)"
@@ -74,12 +74,14 @@ help: $(DEPS)  ## this list; CKPT's choices are read from checkpoint.POLICIES
 	@echo "make ddp        torchrun --nproc_per_node=NPROC train.py (gloo on CPU, NCCL on GPU: NPROC = GPUs to use, default 2;"
 	@echo "                SHARD=zero1|zero2|fsdp splits the states over the ranks, zero.py and fsdp.py)"
 	@echo "make ledger     the memory ledger: predicted vs measured bytes per component, the techniques table"
+	@echo "make plan       will it fit? every precision x CKPT x SHARD x ATTN that fits NPROC GPUs (ARGS=--gpu=H100|24GiB),"
+	@echo "                fastest first, with the command that runs the best -> out/plan.svg"
 	@echo "make chapter    every claim of the chapter measured here -> out/chapter/report.md (ARGS=--quick: short)"
 	@echo "make dtypes     the dtype table from torch.finfo"
 	@echo "make underflow  the share of FP16 gradients lost without loss scaling"
 	@echo "make flops      each recompute policy's step FLOPs, counted by FlopCounterMode"
 	@echo "make reading    the lines a learner reads per mechanism, counted from the code (the README's tables)"
-	@echo "make gpu-check  on a GPU: CUDA tests, ledger, benchmark (the fast config too), every step run -> out/gpu-check/summary.md"
+	@echo "make gpu-check  on a GPU: CUDA tests, ledger, the plan's check, benchmark (the fast config too), every step run -> out/gpu-check/summary.md"
 	@echo "variables: any config key in capitals (python train.py --help lists them), NPROC, PYTHON, ARGS='--key=value ...'"
 	@$(PY) -c 'import checkpoint; print("CKPT= recompute policies (one class each in checkpoint.py):"); \
 		[print(f"  {name:10} {policy.help}") for name, policy in checkpoint.POLICIES.items()]; \
@@ -109,6 +111,10 @@ ddp: $(DEPS)
 
 ledger: $(DEPS)
 	$(PY) tools/ledger.py $(FLAGS)
+
+# NPROC is no config key: the plan's own --nproc (GPUs of the plan, not processes started here)
+plan: $(DEPS)
+	$(PY) tools/plan.py $(FLAGS) $(if $(call given,NPROC),$(call q,--nproc=$(value NPROC)))
 
 chapter: $(DEPS)
 	$(PY) tools/chapter.py $(FLAGS)

@@ -9,10 +9,16 @@ import time
 
 import torch
 
-CUDA_PEAK_TFLOPS = {  # dense, per GPU (SXM parts), TFLOP/s. fp32 is plain FP32: TF32 is not enabled here
-    "H200": {"fp32": 67, "bf16": 989, "fp16": 989, "fp8": 1979},
-    "H100": {"fp32": 67, "bf16": 989, "fp16": 989, "fp8": 1979},
-    "A100": {"fp32": 19.5, "bf16": 312, "fp16": 312, "fp8": 312},  # no FP8 units: fp8 runs as bf16
+# dense TFLOP/s per GPU (the sparse figures are twice these), from NVIDIA's datasheets (SXM parts) and, for
+# the RTX 4090, the Ada whitepaper's appendix (FP32 accumulate); fp32 is plain FP32 (TF32 is not enabled
+# here); None: no such units. Keyed by a word of torch.cuda.get_device_name
+CUDA_PEAK_TFLOPS = {
+    "H200": {"fp32": 67, "bf16": 989, "fp16": 989, "fp8": 1979},  # H200 datasheet: the H100 SXM's compute
+    "H100": {"fp32": 67, "bf16": 989, "fp16": 989, "fp8": 1979},  # H100 SXM datasheet
+    "A100": {"fp32": 19.5, "bf16": 312, "fp16": 312, "fp8": None},  # A100 datasheet: no FP8 tensor cores
+    "L40S": {"fp32": 91.6, "bf16": 362.05, "fp16": 362.05, "fp8": 733},  # L40S datasheet
+    "4090": {"fp32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3},  # GeForce RTX 4090
+    "L4": {"fp32": 30.3, "bf16": 121, "fp16": 121, "fp8": 242.5},  # L4 datasheet
 }
 
 
@@ -24,8 +30,8 @@ def peak_flops(cfg, recipe, device):
         words = torch.cuda.get_device_name(device).replace("-", " ").split()
         for name, table in CUDA_PEAK_TFLOPS.items():
             if name in words:
-                return table[recipe.name] * 1e12
-        return 0.0  # unknown GPU: MFU not shown
+                return (table[recipe.name] or 0.0) * 1e12
+        return 0.0  # unknown GPU (or no units for this precision): MFU not shown
     return _cpu_peak(recipe.param_dtype)
 
 

@@ -379,22 +379,34 @@ def components(cfg):
 
 # ---------------------------------------------------------------- the peak
 
-def peak_walk(cfg, shard=1):
-    """ledger/step.walk_step for cfg: the Walk over one steady-state step.
+def static_bytes(cfg, shard=1):
+    """Bytes alive all step long (the walk's `static`): the states, the buffers, the batch.
     shard=N: ZeRO-3 over N ranks: every per-parameter state and gradient / N, plus one block's
     matrices gathered (and their gradient before the reduce-scatter); buffers, kept FP8 copies whole."""
-    st, rec, (P, _) = state_bytes(cfg), precision.recipe(cfg), param_count(cfg)
-    e = rec.element_bytes
+    st, (P, _), e = state_bytes(cfg), param_count(cfg), precision.recipe(cfg).element_bytes
     fp32_sums = st["gradients"] - e * P  # the FP32 accumulation buffers, alive all step
     per_param = st["parameters"] + st["fp8_weights"] + st["master"] + st["optimizer"] + fp32_sums
     if shard > 1:
         per_param = per_param // shard + 2 * e * block_param_count(cfg, lambda info: info.get("matrix"))
-    static = per_param + st["buffers"] + input_bytes(cfg)
-    matrices = matrix_param_count(cfg)
-    spec = precision.OPTIMIZERS[cfg.optimizer]
-    temporaries = spec.step_temporaries([matrices, P - matrices], [cfg.weight_decay, 0.0])
-    return step.walk_step(MODEL, sizes(cfg), plan(cfg), static, temporaries,
-                          4 * P if rec.master_weights else 0, bool(fp32_sums), shard)
+    return per_param + st["buffers"] + input_bytes(cfg)
+
+
+def peak_walk(cfg, shard=1, static=None, optimizer=None, micro_steps=1):
+    """ledger/step.walk_step for cfg: the Walk over one steady-state step (static_bytes alive
+    throughout). static, optimizer: one rank's under DDP or ZeRO (ledger/shard.py);
+    micro_steps=2: a later micro-step walked too (gradient accumulation, K > 1)."""
+    rec, (P, _), matrices = precision.recipe(cfg), param_count(cfg), matrix_param_count(cfg)
+    fp32_sums = state_bytes(cfg)["gradients"] > rec.element_bytes * P
+    temporaries = step_temporaries(cfg)
+    return step.walk_step(MODEL, sizes(cfg), plan(cfg), static_bytes(cfg, shard) if static is None else static,
+                          temporaries, 4 * P if rec.master_weights else 0, fp32_sums, shard, optimizer, micro_steps)
+
+
+def step_temporaries(cfg):
+    """[(what, bytes)] the optimizer's foreach step holds for a moment, by its spec (precision.OPTIMIZERS),
+    over the two groups (weight decay on the matrices, none on the rest)."""
+    P, matrices = param_count(cfg)[0], matrix_param_count(cfg)
+    return precision.OPTIMIZERS[cfg.optimizer].step_temporaries([matrices, P - matrices], [cfg.weight_decay, 0.0])
 
 
 def peak_estimate(cfg, shard=1):

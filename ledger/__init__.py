@@ -11,7 +11,8 @@ stands on, and what puts its numbers to work. Read memory_ledger.py first.
   measure.py   the same bytes measured on a real step: saved tensors, live storages
   explain.py   measured against described: which saved tensor no term accounts for
   parallel.py  ZeRO, TP, SP, PP, CP and offload per GPU, and the big shapes (the what-if)
-  shard.py     what one rank holds under zero.py's ZeRO and fsdp.py's FSDP, exactly
+  shard.py     what one rank holds under zero.py's ZeRO and fsdp.py's FSDP, exactly, and its step
+  plan.py      will it fit? every configuration's largest micro-batch on a GPU (make plan)
   comm.py      the collectives a step issues, counted, and the bytes they move
   papers.py    Korthikanti et al. and ZeRO's published figures beside ours
   run.py       what the trainer says about memory while it runs

@@ -378,11 +378,12 @@ def phases(model, parts, observe):
         starts.remove()
 
 
-def measure(model, parts, batch, device):
-    """Run one accumulation_step of (model, parts) on one micro-batch, and count. Call it once the
-    optimizer states exist (after a first step): the steady state. Returns bytes per component (storage
-    sizes on every device; gradients: the .grad storages once backward is done, plus FP32 sums; fp8_kept:
-    the kept FP8 weight copies; activations: what SavedBytes saw the forward save, less those copies),
+def measure(model, parts, batch, device, micro_steps=1):
+    """Run one accumulation_step of (model, parts) on one micro-batch (micro_steps=K: K times; the activations
+    are the first's), and count. Call it once the optimizer states exist (after a first step): the steady
+    state. Returns bytes per component (storage sizes on every device; gradients: the .grad storages once
+    backward is done, plus FP32 sums; fp8_kept: the kept FP8 weight copies; activations: what SavedBytes
+    saw the forward save, less those copies),
     saved_tensors ({storage: SavedTensor}, for ledger/explain.py), the phase readings, the peak and its
     phase, forward_growth (the tracker's growth over the forward) and forward_storages (the sizes of
     the storages the forward left alive: activations, kept copies, the loss and the loss x weight,
@@ -399,12 +400,12 @@ def measure(model, parts, batch, device):
                optimizer=storage_bytes(opt.state_tensors(), device),
                inputs=storage_bytes(batch, device))
     module_path = ModulePath(model)
-    phase, saved, losses = {}, SavedBytes(static + list(batch), where=module_path), []
-    hook = model.register_forward_hook(lambda module, args, output: losses.append(output[1]))
+    phase, saved, losses = {}, SavedBytes(static + list(batch), where=module_path), [None]  # the last loss: no more
+    hook = model.register_forward_hook(lambda module, args, output: losses.__setitem__(-1, output[1]))
 
     def observe(name, weighted_loss=None):
         phase[name] = tracker.read()
-        if name == "backward":
+        if name == "backward" and "saved" not in out:
             # what the forward saved, before any recompute re-run, less the kept FP8 copies it made
             kept = kept_copy_storages(parts.fp8_layers)
             activations = {k: v for k, v in saved.found.items() if k not in kept}
@@ -414,7 +415,7 @@ def measure(model, parts, batch, device):
             out["rng_states"] = rng_state_bytes(losses[-1])
             out["forward_storages"] = [v.nbytes for v in activations.values()] + list(kept.values()) \
                 + [losses[-1].untyped_storage().nbytes(), weighted_loss.untyped_storage().nbytes()]
-        if name == "gradients":
+        if name == "gradients" and "gradients" not in out:
             out["gradients"] = storage_bytes([p.grad for p in params] + (parts.grad_buffers or []), device)
             # the FP8 weight copies kept for this step (alive until optimizer_step releases them)
             copies = [m.weight_copy for m in parts.fp8_layers if getattr(m, "weight_copy", None) is not None]
@@ -436,7 +437,7 @@ def measure(model, parts, batch, device):
             tracker.adopt(static + (parts.grad_buffers or []) + list(batch))
             tracker.reset_peak()
             before = tracker.read()
-            accumulate.accumulation_step(model, parts, [batch])
+            accumulate.accumulation_step(model, parts, [batch] * micro_steps)
             phase["end"] = tracker.read()
     finally:
         del opt.torch_optimizer.step  # the instance attribute goes: the optimizer's own step again

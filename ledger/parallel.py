@@ -15,6 +15,7 @@ import torch
 
 import memory_ledger as ml
 from config import Config
+from ledger import plan
 from model import GPT
 
 
@@ -153,41 +154,12 @@ def meta_param_count(cfg):
     return sum(p.numel() for p in m.parameters())
 
 
-def largest_micro_batch(cfg, gpu_bytes, shard=1, limit=1 << 16):
-    """Largest b whose peak (memory_ledger.peak_walk) fits gpu_bytes, 0 if not even b=1 fits.
-    Every tensor the walk counts either has a batch dimension or has none, so while the
-    walk's steps stay the same each of its points is x + b*y, linear in b: the walks at b=2
-    and b=3 give every point at every b. (b = 1 walks other steps: one sequence makes some
-    copies views.) The answer is checked by walking at it and one above; where the steps
-    change with b after all, a bisection over whole walks decides."""
-    fits = lambda b: ml.peak_walk(replace(cfg, batch_size=b), shard).peak <= gpu_bytes  # noqa: E731
-    if not fits(1):
-        return 0
-    two, three = (ml.peak_walk(replace(cfg, batch_size=b), shard) for b in (2, 3))
-    best = limit
-    if two.steps == three.steps:
-        for at2, at3 in zip(two.totals, three.totals):
-            if at3 > at2:  # grows with b: at2 + (b - 2) * (at3 - at2) <= gpu
-                best = min(best, 2 + (gpu_bytes - at2) // (at3 - at2))
-            elif at2 > gpu_bytes:
-                best = 1
-        best = max(best, 1)
-        if best == limit or (fits(best) and not fits(best + 1)):
-            return best
-    lo, hi = 1, 2  # the steps depend on b: bisect
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
 def what_if(gpu_gib=80, ranks=8, precision_name="bf16"):
     """[dict(shape, P, ckpt, zero, states, buffers, activations, max_b)] per GPU, CUDA dtypes,
     manual attention, dropout as Config's default (0): states = parameters + gradients +
     master + AdamW, / ranks under ZeRO-3; buffers whole (ZeRO-3 does not shard them);
-    activations after the forward at b=1; max_b from the peak walk."""
+    activations after the forward at b=1; max_b: the planner's (ledger/plan.py, `make plan`)
+    largest micro-batch on one GPU, or on one of `ranks` under ZeRO-3 (its fsdp rows' walk)."""
     out = []
     for name in BIG_SHAPES:
         for ckpt in ("none", "selective", "full"):
@@ -198,5 +170,6 @@ def what_if(gpu_gib=80, ranks=8, precision_name="bf16"):
                                 zero=f"ZeRO-3/{ranks}" if zero else "none",
                                 states=c["parameters"] + c["gradients"] + c["optimizer"], buffers=c["buffers"],
                                 activations=ml.activation_bytes(cfg),
-                                max_b=largest_micro_batch(cfg, gpu_gib * 2 ** 30, shard=ranks if zero else 1)))
+                                max_b=plan.largest_micro_batch(replace(cfg, shard="fsdp" if zero else "none"),
+                                                               gpu_gib * 2 ** 30, world=ranks if zero else 1)))
     return out

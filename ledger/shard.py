@@ -14,7 +14,11 @@ Components (bytes), as ledger/measure.measure counts them, after a steady-state 
                   parameters are it)
   optimizer       AdamW's m and v, FP32, plus its FP32 step count per tensor (CPU only)
   step_gradients  the gradients alive while AdamW steps: .grad, the reduced slice, the FP32 sums
+
+Then what a step sends (step_elements, step_bytes), and one rank's step as ledger/step.py walks it
+(rank_static, optimizer_walk, zero_step): what ledger/plan.py's peaks are made of.
 """
+import functools
 import math
 
 import torch
@@ -23,6 +27,9 @@ import fp8
 import memory_ledger as ml
 import precision
 import zero
+from config import Config
+from ledger import step
+import model
 from model import GPT
 
 
@@ -37,8 +44,34 @@ def param_shapes(cfg, blocks_only=False):
     ranks hold is the model's); the order decides which parameters a ZeRO slice cuts through, the
     first dimension how FSDP cuts. blocks_only: the blocks' parameters (fsdp.py shards each block
     on its own, the rest as the root)."""
-    model = meta_model(cfg)
-    return [tuple(p.shape) for p in (model.h.parameters() if blocks_only else model.parameters())]
+    return list(_param_shapes(tuple(getattr(cfg, k) for k in SHAPE_KEYS), blocks_only, _model_code()))
+
+
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
+
+
+def _model_code():
+    """What model.py's classes are now (a learner's edit, the tests' swaps): the caches below key on it."""
+    return tuple(id(getattr(model, name)) for name in ("GPT", "Block", "CausalSelfAttention", "MLP", "nn")) + \
+        (id(model.GPT.__init__), id(model.GPT.forward))
+
+
+@functools.lru_cache(maxsize=16)  # seconds for a 70B shape, asked for by every rank and shard of a plan
+def _param_shapes(shape, blocks_only, code):
+    with torch.device("meta"):
+        gpt = GPT(Config(**dict(zip(SHAPE_KEYS, shape))))
+    return tuple(tuple(p.shape) for p in (gpt.h.parameters() if blocks_only else gpt.parameters()))
+
+
+def param_sizes(cfg):
+    """Each parameter's element count, in model.GPT's order (a tuple: the caches below key on it)."""
+    return tuple(math.prod(s) for s in param_shapes(cfg))
+
+
+@functools.lru_cache(maxsize=1024)  # a plan over N ranks asks for every rank's, for every configuration
+def slice_pieces(sizes, world, rank):
+    """zero.Shards(sizes, world, rank).pieces(), kept."""
+    return tuple(zero.Shards(sizes, world, rank).pieces())
 
 
 def fsdp_padded(shapes, world):
@@ -88,7 +121,7 @@ def rank_states(cfg, shard, world, rank):
     rec = precision.recipe(cfg)
     e, master = rec.element_bytes, rec.master_weights
     shapes = param_shapes(cfg)
-    sizes = [math.prod(s) for s in shapes]
+    sizes = param_sizes(cfg)
     P = sum(sizes)
     states = lambda elements, tensors: ml.optimizer_bytes(cfg, elements, tensors)  # noqa: E731  (the spec's)
     sums = cfg.fp32_grad_accum and master  # FP32 sums: .grad is added into them and released each micro-step
@@ -98,7 +131,7 @@ def rank_states(cfg, shard, world, rank):
                     step_gradients=whole_grad, padding=0)
     if shard in zero.STAGES:
         shards = zero.Shards(sizes, world, rank)
-        pieces = shards.pieces()
+        pieces = slice_pieces(sizes, world, rank)
         real = sum(n for *_, n in pieces)  # elements of parameters in my slice (the padding is none's)
         keeps_whole = zero.STAGES[shard] == 1 or sums  # ZeRO-1's .grad, or the FP32 sums: both whole
         return dict(parameters=e * (P + shards.padding), master=4 * real if master else 0,
@@ -117,3 +150,91 @@ def rank_states(cfg, shard, world, rank):
         return dict(parameters=4 * padded, master=0, optimizer=states(mine, len(shapes)),
                     step_gradients=4 * padded, padding=world * padded - P)
     raise ValueError(f"no per-rank formula for shard={shard}")
+
+
+def step_bytes(cfg, shard, world, micro_steps=1):
+    """Bytes a step's collectives move per rank, the paper's volume (ledger/comm.py: an all-reduce
+    counts twice), for step_elements' collectives in their dtypes: DDP all-reduces the gradient in its
+    dtype (the FP32 sums with fp32_grad_accum); ZeRO reduce-scatters that and all-gathers the
+    parameters; FSDP all-gathers in the parameters' 16-bit dtype and reduce-scatters in FP32, and
+    gathers again every micro-step; each ZeRO and FSDP step all-reduces one FP64 squared norm."""
+    if world == 1:
+        return 0
+    rec = precision.recipe(cfg)
+    e = rec.element_bytes
+    grad_e = 4 if (cfg.fp32_grad_accum and rec.master_weights) else e
+    P = sum(math.prod(s) for s in param_shapes(cfg))
+    if shard == "none":
+        return 2 * P * grad_e
+    if shard in zero.STAGES:
+        return (P + zero.Shards([P], world, 0).padding) * (grad_e + e) + 2 * 8
+    whole, blocks = (world * fsdp_padded(param_shapes(cfg, only), world) for only in (False, True))
+    return micro_steps * (whole + blocks) * e + whole * 4 + 2 * 8
+
+
+# ---------------------------------------------------------------- one rank's step, walked
+
+def rank_static(cfg, shard, world, rank):
+    """Bytes rank `rank` holds all step long (the walk's static): its states as rank_states counts
+    them, the buffers, the batch, the FP32 sums (whole on every rank); under DDP (world > 1) its
+    gradient buckets too, a copy of every gradient that the reducer makes when DDP wraps the model
+    (torch/csrc/distributed/c10d/reducer.cpp, initialize_buckets). fsdp: the textbook ZeRO-3
+    estimate (memory_ledger.static_bytes(cfg, world)), not FSDP2's own buffers."""
+    if shard == "fsdp":
+        return ml.static_bytes(cfg, world)
+    rec = precision.recipe(cfg)
+    if shard == "none":
+        return ml.static_bytes(cfg) + (rec.element_bytes * ml.param_count(cfg)[0] if world > 1 else 0)
+    st = rank_states(cfg, shard, world, rank)
+    sums = 4 * ml.param_count(cfg)[0] if (cfg.fp32_grad_accum and rec.master_weights) else 0
+    return st["parameters"] + st["master"] + st["optimizer"] + sums + ml.state_bytes(cfg)["buffers"] + \
+        ml.input_bytes(cfg)
+
+
+def optimizer_walk(cfg, shard, world, rank):
+    """callable(g): rank `rank`'s optimizer step for ledger/step.py's walk. DDP: the FP32 sums
+    all-reduced through one flat copy first (accumulate.all_reduce_mean), then every rank's whole
+    step; ZeRO-1/2: zero_step; fsdp: the ZeRO-3 estimate's (gradients / world)."""
+    rec, (P, _), matrices = precision.recipe(cfg), ml.param_count(cfg), ml.matrix_param_count(cfg)
+    sums, master = cfg.fp32_grad_accum and rec.master_weights, 4 * P if rec.master_weights else 0
+    if shard in zero.STAGES:
+        shapes, sizes = param_shapes(cfg), param_sizes(cfg)
+        shards = zero.Shards(sizes, world, rank)
+        groups = [sum(p.length for p in slice_pieces(sizes, world, rank) if (len(shapes[p.index]) >= 2) == decays)
+                  for decays in (True, False)]  # AdamW's two groups: the matrices decay
+        return lambda g: zero_step(g, 4 if sums else rec.element_bytes, shards, zero.STAGES[shard], groups,
+                                   rec.master_weights and not sums, gloo=cfg.device != "cuda")
+
+    def whole(g):
+        if sums and shard == "none" and world > 1:
+            flat = g.new("DDP: the FP32 sums all-reduced in one flat copy", "flat sums", 4 * P)
+            del flat
+        step.optimizer_step(g, [matrices, P - matrices], master, sums, world if shard == "fsdp" else 1)
+    return whole
+
+
+def zero_step(g, e, shards, stage, groups, fp32_copies, gloo=False):
+    """zero.ShardedOptimizer.step as the walk runs it: the kept FP8 copies released; every gradient
+    (e bytes each) and the padding's zeros into one flat buffer; ZeRO-2 lets .grad go; my slice of
+    the reduce-scatter (gloo, on CPU, all-reduces a copy of the whole buffer and copies my slice
+    out; NCCL allocates nothing through PyTorch); the flat buffer goes; the FP32 copies of my
+    slice's pieces (16-bit precisions); AdamW's sqrt(v) per group of my slice; zero_grad frees the rest."""
+    if g.kept:
+        g.mark("FP8 weight copies released")
+        g.kept.clear()
+    padding = g.new("ZeRO: the padding's zeros", "padding", e * shards.padding)
+    flat = g.new("ZeRO: every gradient in one flat buffer", "flat gradient", e * (sum(shards.sizes) + shards.padding))
+    del padding
+    if stage == 2:
+        g.grads.clear()  # no rank keeps the whole gradient past this point (with FP32 sums there is none)
+    mine = g.new("ZeRO: my slice of the reduce-scatter", "gradient slice", e * shards.size)
+    if gloo:
+        copy = g.new("ZeRO: gloo's reduce-scatter, a copy of the flat buffer", "gloo buffer", flat.nbytes)
+        del copy
+    del flat
+    copies = g.new("ZeRO: my slice's gradients in FP32", "master grads", 4 * sum(groups)) if fp32_copies else None
+    for group, count in enumerate(groups):
+        sqrt_v = g.new(f"ZeRO: AdamW sqrt(v) of my slice, group {group}", "sqrt v", 4 * count)
+        del sqrt_v
+    g.grads.clear()
+    del copies, mine

@@ -116,10 +116,14 @@ class Walk:
 
     def __init__(self, static, shard=1):
         self.static, self.shard = static, shard
+        self.tag = ""  # named before every point's place: which micro-step (ledger/step.py)
         self.total, self.totals, self.steps = static, [], []
         self.peak, self.where, self.parts = static, "start", {}
+        self.peak_count = 0  # storages alive at the peak (the static bytes' not among them)
         self.live = {}  # id(entry) -> entry
         self._peaks = []  # (point, the peak before it): what `undo` restores
+
+    track_parts = True  # what is alive at the peak, by kind: half a walk's time (ledger/plan.py reads points only)
 
     def allocate(self, where, entries):
         for entry in entries:
@@ -132,12 +136,13 @@ class Walk:
 
     def mark(self, where):
         """A point of the walk: the bytes alive now, and a new peak if it is one."""
+        where = self.tag + where
         self.totals.append(self.total)
         self.steps.append(where)
         if self.total > self.peak:
-            self._peaks.append((len(self.totals) - 1, self.peak, self.where, self.parts))
-            self.peak, self.where, self.parts = self.total, where, {}
-            for entry in self.live.values():
+            self._peaks.append((len(self.totals) - 1, self.peak, self.where, self.parts, self.peak_count))
+            self.peak, self.where, self.parts, self.peak_count = self.total, where, {}, len(self.live)
+            for entry in self.live.values() if self.track_parts else ():
                 self.parts[entry.kind] = self.parts.get(entry.kind, 0) + entry.nbytes
 
     def undo(self, point):
@@ -145,7 +150,7 @@ class Walk:
         before it ran). Their storages are freed as the walk's handles on them go."""
         del self.totals[point:], self.steps[point:]
         while self._peaks and self._peaks[-1][0] >= point:
-            _, self.peak, self.where, self.parts = self._peaks.pop()
+            _, self.peak, self.where, self.parts, self.peak_count = self._peaks.pop()
 
     def free(self, entry):
         if self.live.pop(id(entry), None) is not None:
@@ -162,7 +167,7 @@ class Graph:
     (ledger/step.py). `declared` gathers what the ops hold, by kind ("param", "buffer",
     "fp8 weight", "tied": a parameter another op owns): {name: {numel, scope, ...}}; `grads`
     holds each parameter's .grad; `kept` the
-    FP8 weight copies kept for the step (fp8_ops.py)."""
+    FP8 weight copies kept for the step (fp8_ops.py); `accumulating`: a micro-step after the first."""
 
     def __init__(self, walk, sizes):
         self.walk, self.sizes = walk, sizes
@@ -171,6 +176,7 @@ class Graph:
         self.role = None  # what the tensors saved now are kept by (ops.NORM inside a norm)
         self.running_unit = None  # the recompute unit running now: its forward or, once it has `recomputed`, its re-run
         self.declared, self.grads, self.kept = {"param": {}, "buffer": {}, "fp8 weight": {}, "tied": {}}, {}, {}
+        self.accumulating, self.pending = False, {}  # a later micro-step: .grad is there, added into in place
 
     # ---------------------------------------------------------------- memory
 
@@ -338,14 +344,21 @@ class Graph:
     def param_grad(self, where, param, nbytes, made=None):
         """AccumulateGrad for `param` (nbytes: its gradient's): a gradient allocated right here
         as .grad, or one made in flight already (made: [it], handed over); where .grad holds
-        one, the two are summed into a new .grad and both go."""
+        one, the two are summed into a new .grad and both go. In a later micro-step (`accumulating`:
+        .grad holds the earlier ones' sum) AccumulateGrad adds into .grad in place and the gradient
+        goes; a tied parameter's first gradient waits in the engine's buffer for its second."""
         name = self.prefix + param
         tensor = made.pop() if made else self._grad(where, param + " grad", nbytes)
-        old = self.grads.pop(name, None)
+        first = self.pending.pop(name, None)
+        old = first if first is not None else None if self.accumulating else self.grads.pop(name, None)
         if old is not None:
             total = self._grad(param + " gradient accumulated", param + " grad (sum)", nbytes)
             del old, tensor
             tensor = total
+        if self.accumulating:
+            if first is None and name in self.declared["tied"]:
+                self.pending[name] = tensor
+            return  # .grad += tensor: nothing new stays
         tensor.storage.entry.grad = True
         self.grads[name] = tensor
 

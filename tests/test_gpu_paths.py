@@ -71,10 +71,11 @@ def test_gpu_check_without_a_gpu_is_one_message_and_exit_0(tmp_path, capsys, mon
 
 
 def test_gpu_check_plans_every_step_with_the_flags_given(tmp_path):
-    """The real plan: the CUDA tests, the ledger, each bench section (fast first among them), all on CUDA,
-    into their own folders; the flags given reach the ledger and the benchmark, ours replacing theirs."""
+    """The real plan: the CUDA tests, the ledger, the plan's check, each bench section (fast first among
+    them), all on CUDA, into their own folders; the flags given reach the ledger, the plan's check and
+    the benchmark, ours replacing theirs."""
     plan = gpu_check.steps("python", ["--precision=fp16", "--device=cpu"], tmp_path)
-    assert [s.name for s in plan] == ["tests", "ledger", "bench fast", "bench precision", "bench fp8wide",
+    assert [s.name for s in plan] == ["tests", "ledger", "plan", "bench fast", "bench precision", "bench fp8wide",
                                       "bench ckpt", "bench memory"]
     assert plan[0].argv[1:6] == ["-m", "pytest", "-q", "-m", "cuda"]
     for step in plan[1:]:

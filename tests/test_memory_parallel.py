@@ -7,7 +7,7 @@ import torch
 
 import memory_ledger as ml
 from config import Config
-from ledger import papers
+from ledger import papers, plan
 from ledger import parallel as mp
 from model import GPT
 
@@ -124,10 +124,10 @@ def test_tp_splits_what_the_parallel_regions_make(shape, policy):
 
 def test_what_if_bigger_gpu_fits_bigger_batches():
     sh = mp.big_config("GPT-2 XL", precision="bf16", ckpt="full")
-    b40, b80 = mp.largest_micro_batch(sh, 40 * 2 ** 30), mp.largest_micro_batch(sh, 80 * 2 ** 30)
+    b40, b80 = plan.largest_micro_batch(sh, 40 * 2 ** 30), plan.largest_micro_batch(sh, 80 * 2 ** 30)
     assert 0 < b40 < b80
     # 175B's states alone are 174.6B parameters x 16 bytes = 2.79 TB (2,602 GiB): no micro-batch fits
     big = mp.big_config("175B (GPT-3)")
     states = sum(v for k, v in ml.components(big).items() if k in ("parameters", "gradients", "optimizer"))
     assert states == 16 * ml.param_count(big)[0] > 80 * 2 ** 30
-    assert mp.largest_micro_batch(big, 80 * 2 ** 30) == 0
+    assert plan.largest_micro_batch(big, 80 * 2 ** 30) == 0

@@ -12,7 +12,7 @@ import memory_ledger as ml
 import train
 from config import Config
 from guards.cli import parse_args
-from ledger import measure, step
+from ledger import measure, plan, step
 from ledger import parallel as mp
 from ledger.ops import Ops
 from ledger.walk import GRAD, KEPT, Walk
@@ -210,14 +210,14 @@ def test_every_gradient_is_counted_once(monkeypatch):
 
 
 def test_largest_micro_batch_is_the_walks():
-    # the linear solve (two walks) agrees with walking at b and b+1
+    # the planner's solve (two walks, ledger/plan.py) agrees with walking at b and b+1; ZeRO-3 over 8 is its fsdp row
     for name, ckpt, shard in [("GPT-2 XL", "full", 1), ("GPT-2 XL", "selective", 8), ("7B", "full", 8)]:
-        cfg = mp.big_config(name, ckpt=ckpt)
-        b = mp.largest_micro_batch(cfg, 80 * 2 ** 30, shard)
+        cfg = mp.big_config(name, ckpt=ckpt, shard="fsdp" if shard > 1 else "none")
+        b = plan.largest_micro_batch(cfg, 80 * 2 ** 30, world=shard)
         assert b > 0
         assert ml.peak_estimate(replace(cfg, batch_size=b), shard)[0] <= 80 * 2 ** 30 < \
             ml.peak_estimate(replace(cfg, batch_size=b + 1), shard)[0]
-    assert mp.largest_micro_batch(mp.big_config("175B (GPT-3)"), 80 * 2 ** 30) == 0  # 2.79 TB of states alone
+    assert plan.largest_micro_batch(mp.big_config("175B (GPT-3)"), 80 * 2 ** 30) == 0  # 2.79 TB of states alone
 
 
 @pytest.mark.parametrize("stops", [True, False])

@@ -1,7 +1,9 @@
 """`make gpu-check`: every check this project has for a GPU, in one run that never stops early.
 
 A tool, not a chapter file. The steps, in order: the CUDA-marked tests, the memory ledger on
-CUDA (tools/ledger.py), then the benchmark's sections one by one (tools/bench.py): the fast
+CUDA (tools/ledger.py), the plan's check (tools/plan_check.py: the CUDA context and the allocator's
+slack measured, the planned micro-batch trains on a smaller GPU emulated where the next runs out of
+memory), then the benchmark's sections one by one (tools/bench.py): the fast
 configuration (BF16, sdpa, 12 layers of width 768 at context 1024: tokens/s and MFU, with the
 peak FLOP/s it divides by named), precision (tokens/s per precision), fp8wide (FP8 against
 BF16 at widths 2048 and 4096), ckpt and memory. Each runs in its own process with its own log
@@ -30,6 +32,7 @@ import torch  # noqa: E402
 
 from guards import cli  # noqa: E402
 from guards.files import check_writable, write_atomically  # noqa: E402
+from tools import plan_check  # noqa: E402
 from tools.bench import fmt, overridden  # noqa: E402
 
 BUDGET_S = 470  # the whole run; each step also has its own cap below
@@ -51,10 +54,13 @@ def steps(python, flags, out):
         argv = [python, "tools/bench.py", *overridden(flags, ["--device=cuda", f"--out_dir={folder}"]),
                 f"--sections={section}"]
         return Step(f"bench {section}", argv, cap_s, lambda: bench_figures(folder / "bench.jsonl"))
-    ledger_dir = out / "ledger"
+    ledger_dir, plan_dir = out / "ledger", out / "plan"
     return [Step("tests", [python, "-m", "pytest", "-q", "-m", "cuda", "tests", "-p", "no:cacheprovider"], 150),
             Step("ledger", [python, "tools/ledger.py", *overridden(flags, ["--device=cuda", f"--out_dir={ledger_dir}"])],
                  90, lambda: ledger_figures(ledger_dir / "memory_ledger.json")),
+            Step("plan", [python, "tools/plan_check.py",
+                          *overridden(flags, ["--device=cuda", f"--out_dir={plan_dir}"])],
+                 90, lambda: plan_figures(plan_dir / "plan_check.json")),
             bench("fast", 60), bench("precision", 100), bench("fp8wide", 120), bench("ckpt", 120),
             bench("memory", 60)]
 
@@ -119,6 +125,13 @@ def ledger_figures(path):
     out += [f"| {r['component']} | {r['predicted']:,} | {r['measured']:,} | {'ok' if r['ok'] else 'MISS'} "
             f"({r['rule']}) |" for r in got["rows"]]
     return out + ["", got["allocator"]]
+
+
+def plan_figures(path):
+    """tools/plan_check.py's figures in words: the margin measured, the planned micro-batch and the next."""
+    if not path.exists():
+        return ["no figures written (see the log)"]
+    return [f"- {line}" for line in plan_check.summary(json.loads(path.read_text()))]
 
 
 def summary(results, seconds):

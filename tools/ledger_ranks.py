@@ -8,8 +8,8 @@ port to find, no launcher's words between a failure and the learner):
     python tools/ledger_ranks.py --jobs=FOLDER/jobs.json --into=FOLDER
 
 jobs.json is a list of {"flags": [train.py flags], "shards": [SHARD values]}. Each rank (`program`),
-for each job and SHARD: builds the run, takes one step (AdamW makes its states), then one step
-measured (ledger/measure.measure: the storages, as the single-process ledger counts them) with its
+for each job and SHARD: builds the run, takes one step (AdamW makes its states), then one step of ACCUM
+micro-steps measured (ledger/measure.measure: the storages, as the single-process ledger counts them) with its
 collectives counted (ledger/comm.Count), beside the formulas' (ledger/shard.rank_states,
 step_collectives); it writes its own FOLDER/rank<N>.json after every SHARD: its figures so far
 and, where something failed, the error in one line. Figures and failures travel by that one file.
@@ -204,7 +204,7 @@ def measure_shard(cfg, shard, rank, world):
     batch = measure.random_batch(cfg, device)
     accumulate.accumulation_step(run_model, parts, [batch])  # AdamW's states exist from here: the steady state
     with comm.Count() as count:
-        meas = measure.measure(run_model, parts, batch, device)
+        meas = measure.measure(run_model, parts, batch, device, micro_steps=cfg.accum)
     return dict(rank=rank, measured={k: meas.get(k) for k in MEASURED},
                 formula=ls.rank_states(cfg, shard, world, rank), calls=dict(count.kinds()), volume=count.volume(),
                 elements=count.elements(), elements_formula=ls.step_elements(cfg, shard, world),

@@ -1,0 +1,227 @@
+"""`make plan`: will it fit? Every configuration of a model that fits a GPU, fastest first.
+
+A tool, not a chapter file: it asks ledger/plan.py (the planner, on memory_ledger's exact peak walk)
+and prints. For the model shape of the config keys (N_LAYER, N_EMBD, N_HEAD, BLOCK_SIZE, VOCAB_SIZE,
+DROPOUT, BIAS), a GPU, NPROC GPUs and a target batch (TOTAL_BATCH_TOKENS), it lists every precision x
+recompute policy x sharding x attention that fits: the largest micro-batch, the micro-steps to the
+target batch, the peak and the headroom, the recompute FLOPs, what a step sends, the step time at a
+stated MFU; what does not fit or run says why. The best row ends with the command that runs it.
+
+    python tools/plan.py --n_layer=32 --n_embd=4096 --n_head=32 --block_size=4096 --vocab_size=32000 --nproc=8
+    make plan N_LAYER=32 N_EMBD=4096 N_HEAD=32 BLOCK_SIZE=4096 VOCAB_SIZE=32000 NPROC=8 ARGS=--gpu=H200
+
+--gpu is a name of the table (ledger/plan.py GPUS) or a size ("24GiB": what CUDA reports). A key of
+the search given on the command line (PRECISION, CKPT, SHARD, ATTN) fixes it. DEVICE=cpu plans
+against a byte budget as this machine measures it (--gpu=<size>; no CUDA context, no allocator):
+what tests/test_plan.py holds to ledger/measure.py. Writes OUT_DIR/plan.svg. Bad input is one line
+'error: ...' and exit status 2, nothing written; no configuration that fits is exit status 1.
+"""
+import sys
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's files sit one folder up
+
+import checkpoint  # noqa: E402
+import memory_ledger as ml  # noqa: E402
+from config import SHARDS, UsageError, key  # noqa: E402
+from guards import cli  # noqa: E402
+from guards.files import check_writable, write_atomically  # noqa: E402
+from ledger import plan as lp  # noqa: E402
+from ledger.measure import MIN_BLOCK, SMALL_SIZE  # noqa: E402
+from tools.ledger_report import fmt_bytes  # noqa: E402
+
+SHAPE = ("n_layer", "n_embd", "n_head", "block_size", "vocab_size", "dropout", "bias")
+APPLIES = set(SHAPE + lp.SEARCHED) | {"total_batch_tokens", "device", "out_dir", "peak_flops", "fp32_grad_accum",
+                                   "ckpt_segment"}
+MAKE_NAMES = dict(n_layer="N_LAYER", n_embd="N_EMBD", n_head="N_HEAD", block_size="BLOCK_SIZE",
+                  vocab_size="VOCAB_SIZE", dropout="DROPOUT", bias="BIAS", fp32_grad_accum="FP32_GRAD_ACCUM",
+                  ckpt_segment="CKPT_SEGMENT")
+
+
+@dataclass
+class PlanOptions:
+    gpu: str = key("H100", f"a GPU of the table ({', '.join(lp.GPUS)}) or a size such as 24GiB")
+    nproc: int = key(1, "GPUs, one data-parallel rank each (make plan NPROC=8)", at_least=1)
+    mfu: float = key(lp.MFU, "the share of the GPU's peak FLOP/s the step time assumes, in (0, 1]", at_least=0.0)
+    context_mib: int = key(lp.CONTEXT_MIB, "MiB the CUDA context takes outside PyTorch's allocator "
+                                           "(make gpu-check measures it)", at_least=0)
+
+
+def options(argv):
+    """(cfg, opts, gpu, target tokens, fixed keys) from the command line, or UsageError."""
+    cfg, opts = cli.parse_args(argv, PlanOptions)
+    named = cli.given(argv)
+    ignored = named - APPLIES - {f.name for f in fields(PlanOptions)}
+    if ignored:
+        raise UsageError(f"--{', --'.join(sorted(ignored))}: the plan walks one step of the shape it is given "
+                         f"and finds the micro-batch itself, this does not apply")
+    if not 0 < opts.mfu <= 1:
+        raise UsageError(f"--mfu must be in (0, 1], got {opts.mfu}")
+    gpu = lp.find_gpu(opts.gpu)
+    cpu = cfg.device == "cpu"
+    if cpu and gpu.tflops is not None:
+        raise UsageError(f"--device=cpu plans against a byte budget: give --gpu=<size> (e.g. 64MiB), not {gpu.name}")
+    if not cpu and gpu.total <= opts.context_mib * lp.MIB:
+        raise UsageError(f"--gpu={opts.gpu} is {fmt_bytes(gpu.total)}: not more than the CUDA context "
+                         f"({opts.context_mib} MiB, --context_mib) alone")
+    if "shard" in named and cfg.shard != "none" and opts.nproc == 1:
+        raise UsageError(f"--shard={cfg.shard} splits over ranks: give NPROC > 1 (--nproc)")
+    step_tokens = opts.nproc * cfg.block_size
+    target = cfg.total_batch_tokens or step_tokens * -(-lp.TARGET_TOKENS // step_tokens)
+    if target % step_tokens:
+        raise UsageError(f"--total_batch_tokens={target} is not a multiple of NPROC x block_size = {opts.nproc} x "
+                         f"{cfg.block_size} = {step_tokens}")
+    return cfg, opts, gpu, target, {k: getattr(cfg, k) for k in lp.SEARCHED if k in named}
+
+
+def command(cfg, row, world):
+    """The make line that runs `row`: make train (one GPU) or make ddp NPROC=world."""
+    words = ["make", "ddp", f"NPROC={world}"] if world > 1 else ["make", "train"]
+    for flag in cli.flags(cfg):  # the shape's keys off their defaults, as make variables
+        name, value = flag[2:].split("=", 1)
+        if name in MAKE_NAMES:
+            words.append(f"{MAKE_NAMES[name]}={value}")
+    words += [f"PRECISION={row.recipe}", f"CKPT={row.ckpt}", f"ATTN={row.attn}"]
+    words += [f"SHARD={row.shard}"] if world > 1 else []
+    words += [f"BATCH_SIZE={row.b}", f"ACCUM={row.accum}"]
+    if row.shard == "fsdp" and row.accum > 1:  # no_sync under FSDP keeps whole FP32 gradients between micro-steps
+        words.append("NO_SYNC=false")
+    return " ".join(words)
+
+
+def margin_lines(cfg, gpu, opts):
+    """Where the budget comes from: the GPU's memory less what is not PyTorch's tensors, each with its source."""
+    if cfg.device == "cpu":
+        return [f"budget: {gpu.total:,} bytes as given (CPU: no CUDA context, no caching allocator; ledger/measure.py "
+                f"counts live storages)"]
+    lines = [f"budget per GPU: {gpu.name}, {fmt_bytes(gpu.total)} as CUDA reports it"]
+    if gpu.driver:
+        lines[0] += f" ({fmt_bytes(gpu.total + gpu.driver)} in nvidia-smi less {fmt_bytes(gpu.driver)} the driver " \
+                    f"keeps)"
+    lines[0] += f"; figures from {gpu.source}"
+    lines += [f"  - {opts.context_mib} MiB the CUDA context (~400 MB with lazy module loading: pytorch/pytorch#109888)",
+              f"  - {fmt_bytes(gpu.workspace)} cuBLAS's workspaces, from PyTorch's allocator: the main thread's and "
+              f"autograd's (CublasHandlePool.cpp: 4096 KiB x 8 each on sm90, else 2 x 4096 KiB + 8 x 16 KiB)",
+              f"  - each row's allocator bound: {MIN_BLOCK - 1} bytes of rounding per storage alive at the peak and "
+              f"up to {SMALL_SIZE // lp.MIB} MiB of block slack per storage over {SMALL_SIZE // lp.MIB} MiB "
+              f"(CUDACachingAllocator.cpp: ledger/measure.allocator_bounds); segments left half-used between steps "
+              f"are not bounded here",
+              "  make gpu-check measures the context and the slack on the GPU it runs on (allocated, reserved and the "
+              "device's total at the plan's best row)"]
+    return lines
+
+
+def table(rows):
+    head = (f"{'precision':9} {'ckpt':9} {'shard':5} {'attn':6} {'b':>4} {'K':>4} {'peak':>10} {'headroom':>10} "
+            f"{'recompute':>9} {'sent/step':>10} {'step':>8} {'tokens/s':>12}")
+    out = [head]
+    for r in rows:
+        if r.why:
+            continue
+        step = f"{r.step_s:7.2f}s" if r.step_s else "-"
+        speed = f"{r.tokens_per_s:12,.0f}" if r.tokens_per_s else "-"
+        out.append(f"{r.recipe:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.b:4d} {r.accum:4d} "
+                   f"{fmt_bytes(r.peak):>9}{'~' if r.estimate else ' '} {fmt_bytes(r.budget - r.peak):>10} "
+                   f"{100 * r.recompute:+8.1f}% {fmt_bytes(r.sent):>10} {step:>8} {speed:>12}")
+    return out
+
+
+def pictured_pair(rows):
+    """The precision and attention the picture shows: the one whose policies and shardings run most
+    (fp8 runs no fsdp, sdpa no selective), the fastest of those."""
+    pairs = {(r.recipe, r.attn) for r in rows}
+    runs = lambda pair: [r for r in rows if (r.recipe, r.attn) == pair and (r.peak or r.states)]  # noqa: E731
+    return max(pairs, key=lambda pair: (len(runs(pair)), max((r.tokens_per_s or 0) for r in runs(pair) or rows),
+                                        -sum(r.peak for r in runs(pair))))
+
+
+def svg(rows, title):
+    """Per recompute policy and sharding (one precision and attention): the peak at the largest
+    micro-batch that fits, the states apart from the rest, against the budget's line."""
+    W, left, bar, gap, head = 900, 230, 16, 6, 56
+    H = head + len(rows) * (bar + gap) + 40
+    top = max([r.peak for r in rows] + [r.states for r in rows] + [r.budget for r in rows]) or 1
+    scale = (W - left - 140) / top
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
+           f'<text x="10" y="20" font-size="14" font-weight="bold">{_esc(title)}</text>',
+           '<rect x="10" y="32" width="12" height="12" fill="#4e79a7"/><text x="26" y="42">states, buffers, batch '
+           '(all step)</text><rect x="230" y="32" width="12" height="12" fill="#59a14f"/><text x="246" y="42">'
+           'activations and the rest, at the peak</text>']
+    for i, r in enumerate(rows):
+        y = head + i * (bar + gap)
+        label = f"{r.ckpt}, {r.shard}"
+        out.append(f'<text x="{left - 6}" y="{y + 12}" text-anchor="end">{_esc(label)}</text>')
+        states, rest = min(r.states, top), max(0, r.peak - r.states)
+        out.append(f'<rect x="{left}" y="{y}" width="{states * scale:.1f}" height="{bar}" fill="#4e79a7"/>')
+        out.append(f'<rect x="{left + states * scale:.1f}" y="{y}" width="{rest * scale:.1f}" height="{bar}" '
+                   f'fill="#59a14f"/>')
+        note = f"b={r.b} K={r.accum}{' (estimate)' if r.estimate else ''}" if not r.why else r.why.split(" (")[0]
+        end = left + max(r.peak, r.states) * scale
+        out.append(f'<text x="{end + 4:.1f}" y="{y + 12}">{_esc(note)}</text>')
+    x = left + rows[0].budget * scale
+    out.append(f'<line x1="{x:.1f}" y1="{head - 6}" x2="{x:.1f}" y2="{H - 34}" stroke="#e15759" stroke-width="2"/>'
+               f'<text x="{x + 4:.1f}" y="{H - 22}" fill="#e15759">the budget per GPU</text>')
+    out.append(f'<text x="10" y="{H - 8}">bytes per GPU at each row\'s micro-batch (b=1 where nothing fits); '
+               f'ledger/plan.py, make plan</text></svg>')
+    return "\n".join(out) + "\n"
+
+
+def _esc(text):
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def program(argv):
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip() + "\n\n" + cli.usage("tools/plan.py", PlanOptions))
+        return 0
+    started = time.perf_counter()
+    cfg, opts, gpu, target, fixed = options(argv)
+    path = Path(cfg.out_dir) / "plan.svg"
+    check_writable(path.parent, "--out_dir")
+    world = opts.nproc
+    rows = lp.plan(cfg, gpu, world, target, fixed, opts.mfu, 0 if cfg.device == "cpu" else opts.context_mib * lp.MIB)
+    if not rows:
+        raise UsageError(f"nothing to plan: {', '.join(f'{k}={v}' for k, v in fixed.items())} with NPROC={world}")
+    P = ml.param_count(replace(cfg, device="cuda"))[0]
+    fits = [r for r in rows if r.why is None]
+    print(f"plan: L={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} s={cfg.block_size} V={cfg.vocab_size} "
+          f"({P:,} parameters) on {world} x {gpu.name}, {target:,} tokens per optimizer step "
+          f"({target // (world * cfg.block_size)} sequences per GPU)")
+    print("\n".join(margin_lines(cfg, gpu, opts)))
+    peak_source = "the GPU's peak (flops.CUDA_PEAK_TFLOPS)" if gpu.tflops else \
+        "PEAK_FLOPS" if cfg.peak_flops else None
+    print(f"step = (model + recompute FLOPs) per GPU / ({peak_source} x MFU {opts.mfu:.0%}); fp8: the blocks' "
+          f"Linears' forward at FP8's peak, the rest at BF16's" if peak_source else
+          "step time: no FLOP/s for a GPU given by its size (PEAK_FLOPS=... gives one): sorted by recompute, bytes")
+    print(f"\n{len(fits)} configurations fit, fastest first (peak: the highest rank's, walked op by op: on CPU what "
+          f"ledger/measure.py measures; ~: fsdp, the textbook ZeRO-3 walk, an estimate; sent: what a step's "
+          f"collectives move per rank, the ZeRO paper's volume):")
+    print("\n".join(table(rows)))
+    if fits:
+        best = fits[0]
+        print(f"\nbest: {best.recipe} {best.ckpt} {best.shard} {best.attn}, micro-batch {best.b} x {best.accum} "
+              f"micro-steps x {world} GPUs; peak at {best.where}\n  {command(cfg, best, world)}")
+    print(f"\ndoes not fit or run ({len(rows) - len(fits)}):")
+    print("\n".join(f"  {r.recipe:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.why}" for r in rows if r.why))
+    recipe, attn = pictured_pair(rows)
+    pictured = [r for r in rows if (r.recipe, r.attn) == (recipe, attn) and (r.peak or r.states)]
+    pictured.sort(key=lambda r: (list(checkpoint.POLICIES).index(r.ckpt), SHARDS.index(r.shard)))
+    picture = svg(pictured, f"{cfg.n_layer} layers, width {cfg.n_embd}, context {cfg.block_size} on {world} x "
+                            f"{gpu.name}: {recipe}, attn {attn}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, lambda fh: fh.write(picture.encode()))
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
+    print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")
+    return 0 if fits else 1
+
+
+def main(argv):
+    return cli.run(program, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
