@@ -202,23 +202,25 @@ def optimizer_walk(cfg, shard, world, rank):
         shards = zero.Shards(sizes, world, rank)
         groups = [sum(p.length for p in slice_pieces(sizes, world, rank) if (len(shapes[p.index]) >= 2) == decays)
                   for decays in (True, False)]  # AdamW's two groups: the matrices decay
+        temporaries = precision.OPTIMIZERS[cfg.optimizer].step_temporaries(groups, [cfg.weight_decay, 0.0])
         return lambda g: zero_step(g, 4 if sums else rec.element_bytes, shards, zero.STAGES[shard], groups,
-                                   rec.master_weights and not sums, gloo=cfg.device != "cuda")
+                                   temporaries, rec.master_weights and not sums, gloo=cfg.device != "cuda")
 
     def whole(g):
         if sums and shard == "none" and world > 1:
             flat = g.new("DDP: the FP32 sums all-reduced in one flat copy", "flat sums", 4 * P)
             del flat
-        step.optimizer_step(g, [matrices, P - matrices], master, sums, world if shard == "fsdp" else 1)
+        step.optimizer_step(g, ml.step_temporaries(cfg), master, sums, world if shard == "fsdp" else 1)
     return whole
 
 
-def zero_step(g, e, shards, stage, groups, fp32_copies, gloo=False):
+def zero_step(g, e, shards, stage, groups, temporaries, fp32_copies, gloo=False):
     """zero.ShardedOptimizer.step as the walk runs it: the kept FP8 copies released; every gradient
     (e bytes each) and the padding's zeros into one flat buffer; ZeRO-2 lets .grad go; my slice of
     the reduce-scatter (gloo, on CPU, all-reduces a copy of the whole buffer and copies my slice
     out; NCCL allocates nothing through PyTorch); the flat buffer goes; the FP32 copies of my
-    slice's pieces (16-bit precisions); AdamW's sqrt(v) per group of my slice; zero_grad frees the rest."""
+    slice's pieces (16-bit precisions); the optimizer's temporaries on my slice (the spec's: AdamW's sqrt(v)
+    per group); zero_grad frees the rest."""
     if g.kept:
         g.mark("FP8 weight copies released")
         g.kept.clear()
@@ -233,8 +235,8 @@ def zero_step(g, e, shards, stage, groups, fp32_copies, gloo=False):
         del copy
     del flat
     copies = g.new("ZeRO: my slice's gradients in FP32", "master grads", 4 * sum(groups)) if fp32_copies else None
-    for group, count in enumerate(groups):
-        sqrt_v = g.new(f"ZeRO: AdamW sqrt(v) of my slice, group {group}", "sqrt v", 4 * count)
-        del sqrt_v
+    for what, nbytes in temporaries:
+        temporary = g.new(f"ZeRO: {what} of my slice", what, nbytes)
+        del temporary
     g.grads.clear()
     del copies, mine

@@ -183,7 +183,8 @@ class Graph:
     def alloc(self, where, *parts, region=False, layout="rows", dtype=None):
         """Allocate one storage per (name, bytes) part, or (name, bytes, dtype), at one point; returns
         their Tensors. dtype: theirs, by torch's name (None: the activations', sizes.dtype)."""
-        entries = [Entry(self.prefix, name, nbytes, region, dtype=(own or [dtype])[0] or self.sizes.dtype)
+        default = self.sizes.dtype if self.sizes else None  # a walk of the optimizer step alone has no sizes
+        entries = [Entry(self.prefix, name, nbytes, region, dtype=(own or [dtype])[0] or default)
                    for name, nbytes, *own in parts]
         self.walk.allocate(self.prefix + where, entries)
         return [Tensor(Storage(self.walk, e), layout=layout) for e in entries]
