@@ -103,17 +103,13 @@ def _recomputing():
 def recompute(fn, *args, contexts=None, stop_early=True):
     """Call fn(*args) so that the tensors its ops save for backward are recomputed instead of kept.
 
-    Forward: fn runs with grad, so autograd records the unit's own nodes, but each tensor one of
-    them saves is packed as a slot number (`Unit.pack_forward`): nothing is kept. The outputs then
-    pass through one node of their own, `RerunNode`, which keeps the inputs.
-    Backward: gradients can only enter the unit through its outputs, so autograd reaches RerunNode
-    before any node of the unit; it re-runs fn (`Unit.rerun`), filing each tensor the re-run saves
-    under its slot (`Unit.pack_rerun`), and each node of the unit then takes its own back
-    (`Unit.unpack`), freed when that node is done. A tensor made inside the unit and used outside
-    breaks that order: `Unit.unpack` enforces it, in one line.
-    contexts: None, or a callable giving (around the forward, around the re-run): the precision's
-    (precision.Recipe.recompute_contexts). stop_early: may the re-run stop after the last saved
-    tensor (`rerun_stops_early` says when not)."""
+    Forward: fn runs with grad, its nodes recorded, but each tensor they save is packed as a slot
+    number (`Unit.pack_forward`); the outputs pass through one node of their own, `RerunNode`, which
+    keeps the inputs. Backward: gradients enter the unit through its outputs only, so autograd reaches
+    RerunNode first; it re-runs fn (`Unit.rerun`), filing what the re-run saves under its slots
+    (`Unit.pack_rerun`), and each node of the unit takes its own back (`Unit.unpack`, which enforces
+    that order). contexts: None, or a callable giving (around the forward, around the re-run), the
+    precision's. stop_early: may the re-run stop after the last saved tensor (rerun_stops_early)."""
     if not torch.is_grad_enabled():
         return fn(*args)  # evaluation: no graph, no backward, nothing to recompute
     around_forward, around_rerun = contexts() if contexts else (nullcontext(), nullcontext())

@@ -190,17 +190,12 @@ def validate_fp8(cfg):
                          f"n_embd={cfg.n_embd}: use an n_embd that is a multiple of 16")
     if cfg.fp8_backend != "te":
         return
-    # TE asserts, for every FP8 GEMM input, that the product of all dimensions but the last is
-    # divisible by 8 and the last by 16 (transformer_engine/pytorch/utils.py, assert_dim_for_fp8_exec,
-    # which module/linear.py calls on the input and the weight in every FP8 forward): for a Linear's
-    # input that is the tokens of one micro-batch, batch_size x block_size. (The native backend has
-    # no such rule: _scaled_mm leaves M free, and its wgrad falls back where tokens % 16 != 0.)
+    # TE's shape rule for every FP8 GEMM input: a Linear's tokens divisible by 8 (NOTES.md says where)
     tokens = cfg.batch_size * cfg.block_size
     if tokens % 8:
         raise UsageError(f"fp8_backend=te needs batch_size x block_size divisible by 8 (Transformer Engine's FP8 "
                          f"GEMM shape rule), got {cfg.batch_size} x {cfg.block_size} = {tokens}")
     if cfg.fp8_recipe == "current" and cfg.fp8_margin:
-        # TE's Float8CurrentScaling has no margin field (transformer_engine/common/recipe/__init__.py)
         raise UsageError("fp8_margin applies to the delayed recipe only: Transformer Engine's current "
                          "scaling has no margin; use fp8_margin=0 or fp8_recipe=delayed")
 

@@ -22,7 +22,7 @@ e bytes per element of parameters, activations and gradients (4 fp32, 2 bf16/fp1
 """
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -267,8 +267,7 @@ def held_count(cfg, kind, scope, keep=lambda info: True):
     return sum(info["numel"] for info in held(cfg, kind, scope) if keep(info))
 
 
-def block_held(cfg, kind):
-    return held(cfg, kind, 0)
+block_held = functools.partial(held, scope=0)  # what one block holds
 
 
 def _total(cfg, kind, keep=lambda info: True):
@@ -351,14 +350,6 @@ def rng_state_bytes(cfg):
     return n * (torch.get_rng_state().numel() + (8 + 8 if cfg.device == "cuda" else 0))
 
 
-def bytes_per_param(cfg):
-    """(params, grads, master, optimizer) bytes per parameter: 4+4+0+8 or 2+2+4+8 (= 16, the ZeRO figure)."""
-    one = replace(cfg, n_layer=1, n_embd=64, n_head=1, block_size=1, batch_size=1, vocab_size=1, device="cuda",
-                  attn="sdpa", ckpt="none", ckpt_segment=0)  # CUDA: no step scalars
-    st, (P, _) = state_bytes(one), param_count(one)
-    return tuple(st[k] / P for k in ("parameters", "gradients", "master", "optimizer"))
-
-
 def predicted(cfg):
     """{component: bytes} for the components ledger/measure.py counts."""
     st = state_bytes(cfg)
@@ -368,10 +359,8 @@ def predicted(cfg):
 
 
 def components(cfg):
-    """The chapter's four components, and buffers on their own line (ZeRO-3/FSDP shards
-    parameters, not buffers): master weights fold into optimizer states, TE's persistent
-    FP8 weight copies into parameters (per parameter, so they shard with them); native FP8's
-    weight copies kept during a step (freed before AdamW: not a parameter) on a line of their own."""
+    """The chapter's four components, buffers apart (FSDP shards parameters, not buffers): the master copy
+    in the optimizer's states, TE's FP8 weights in the parameters, native FP8's kept copies apart."""
     st = state_bytes(cfg)
     return dict(parameters=st["parameters"] + st["fp8_weights"], buffers=st["buffers"], gradients=st["gradients"],
                 optimizer=st["master"] + st["optimizer"], fp8_kept=st["fp8_kept"], activations=activation_bytes(cfg))
@@ -395,11 +384,11 @@ def peak_walk(cfg, shard=1, static=None, optimizer=None, micro_steps=1):
     """ledger/step.walk_step for cfg: the Walk over one steady-state step (static_bytes alive
     throughout). static, optimizer: one rank's under DDP or ZeRO (ledger/shard.py);
     micro_steps=2: a later micro-step walked too (gradient accumulation, K > 1)."""
-    rec, (P, _), matrices = precision.recipe(cfg), param_count(cfg), matrix_param_count(cfg)
+    rec, (P, _) = precision.recipe(cfg), param_count(cfg)
     fp32_sums = state_bytes(cfg)["gradients"] > rec.element_bytes * P
-    temporaries = step_temporaries(cfg)
     return step.walk_step(MODEL, sizes(cfg), plan(cfg), static_bytes(cfg, shard) if static is None else static,
-                          temporaries, 4 * P if rec.master_weights else 0, fp32_sums, shard, optimizer, micro_steps)
+                          step_temporaries(cfg), 4 * P if rec.master_weights else 0, fp32_sums, shard, optimizer,
+                          micro_steps)
 
 
 def step_temporaries(cfg):

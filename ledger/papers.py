@@ -69,12 +69,21 @@ def kept_per_layer(cfg):
     return (ml.activation_bytes(full) - sum(term.nbytes for term in ml.outside_terms(full))) // full.n_layer
 
 
+def bytes_per_param(cfg):
+    """(params, grads, master, optimizer) bytes per parameter, from the description's states (CUDA: no step
+    counts): 4+4+0+8 or 2+2+4+8 (= 16, the ZeRO figure)."""
+    one = replace(cfg, n_layer=1, n_embd=64, n_head=1, block_size=1, batch_size=1, vocab_size=1, device="cuda",
+                  attn="sdpa", ckpt="none", ckpt_segment=0)
+    st, (P, _) = ml.state_bytes(one), ml.param_count(one)
+    return tuple(st[k] / P for k in ("parameters", "gradients", "master", "optimizer"))
+
+
 def zero_rows(psi=7.5e9, n=64):
     """ZeRO Table 1's row, Psi parameters over N_d GPUs, 1 GB = 1e9 bytes: baseline, P_os,
     P_os+g, P_os+g+p; the paper's (2+2+K)Psi terms with K = 12 against our bytes_per_param."""
     K = 12
     paper = [(2 + 2 + K) * psi, 2 * psi + 2 * psi + K * psi / n, 2 * psi + (2 + K) * psi / n, (2 + 2 + K) * psi / n]
-    p, g, m, o = ml.bytes_per_param(Config(precision="bf16"))
+    p, g, m, o = bytes_per_param(Config(precision="bf16"))
     ours = dict(parameters=p * psi, buffers=0, gradients=g * psi, optimizer=(m + o) * psi)
     rows = [("ZeRO sec. 3.1: bytes per parameter", "2 + 2 + K", 2 + 2 + K, p + g + m + o)]
     for stage, name in enumerate(("baseline", "P_os (ZeRO-1)", "P_os+g (ZeRO-2)", "P_os+g+p (ZeRO-3)")):

@@ -18,7 +18,7 @@ def test_sixteen_bytes_per_parameter_for_every_precision():
         per = ml.bytes_per_param_closed(name)
         assert sum(per) == 16, f"{name}: {per} bytes per parameter, 16 expected (ZeRO sec. 3.1: 2 + 2 + K, K = 12)"
         # and the description's states, per parameter, on CUDA (no CPU step scalars), say the same
-        assert ml.bytes_per_param(Config(precision=name)) == per, f"{name}: description and closed form differ"
+        assert papers.bytes_per_param(Config(precision=name)) == per, f"{name}: description and closed form differ"
     assert ml.bytes_per_param_closed("bf16")[2:] == (4, 8), "the K = 12 of mixed-precision Adam: master 4, m and v 8"
 
 

@@ -19,7 +19,7 @@ import train
 from config import Config
 from guards.cli import parse_args
 from conftest import merged
-from ledger import explain, measure, step
+from ledger import explain, measure, papers, step
 from ledger.ops import Ops
 from ledger.shard import meta_model
 from tools import ledger as tool
@@ -302,7 +302,7 @@ def test_recompute_rng_states_are_counted(ckpt, n_units):
 
 def test_sixteen_bytes_per_param_for_mixed_precision_adam():
     # ZeRO (Rajbhandari et al. 2020), sec. 3.1: 2 + 2 + (4 + 4 + 4) = 16 bytes per parameter
-    per_param = lambda prec: ml.bytes_per_param(Config(precision=prec))
+    per_param = lambda prec: papers.bytes_per_param(Config(precision=prec))
     assert per_param("bf16") == (2, 2, 4, 8)
     assert sum(per_param("fp16")) == 16
     assert per_param("fp32") == (4, 4, 0, 8)
