@@ -25,6 +25,8 @@ def _convert(f, text):
     if f.type in NUMBER and not NUMBER[f.type].fullmatch(text):
         kind = {int: "int (an integer)", float: "float (a number)"}[f.type]
         raise UsageError(f"--{f.name} expects {kind}, got {text!r}")
+    if f.type is int and len(text) > 4000:  # int() refuses past 4,300 digits; config.check_keys bounds the rest
+        raise UsageError(f"--{f.name} expects an int64, got an integer of {len(text.lstrip('+-'))} digits")
     return f.type(text)
 
 

@@ -143,6 +143,14 @@ CASES = [
     # a value (or a name) with a newline is echoed escaped: still one line
     (["--precision=fp\n16"], "--precision=fp\\n16 is not one of", None),
     (["--bogus\nerror: forged=1"], "unknown flag --bogus\\nerror: forged", None),
+    # integers of hundreds of digits (an OverflowError in float arithmetic): every int key holds an int64,
+    # and one past Python's 4,300-digit limit on int() is refused before int() is asked
+    *[([f"--{key}={'9' * 300}"], f"--{key} must be <= 9223372036854775807", None)
+      for key in ("n_layer", "block_size", "vocab_size", "batch_size", "warmup_iters")],
+    ([f"--n_layer={'9' * 5000}"], "--n_layer expects an int64, got an integer of 5000 digits", None),
+    # AdamW's first step moves by lr / (1 - beta1): at FP32's largest lr that is no FP32 number
+    (["--learning_rate=3.4028234663852886e38"], "AdamW's first step moves by lr / (1 - beta1) = 3.40282e+39", None),
+    (["--min_lr=1e38", "--beta1=0.99"], "--min_lr=1e+38 is too large", None),
 ]
 
 # inputs that only train.py takes: snapshots to resume, --data and --out_dir names, K
@@ -174,6 +182,8 @@ TRAIN_CASES = [
         (dict(block_size=-1), "its config: --block_size must be >= 1, got -1"),
         (dict(attn="flash"), "its config: --attn=flash is not one of manual|sdpa"),
         (dict(precision="fp64"), "its config: --precision=fp64 is not one of"),
+        (dict(warmup_iters=10 ** 300), "its config: --warmup_iters must be <= 9223372036854775807"),
+        (dict(n_layer=10 ** 300), "its config: --n_layer must be <= 9223372036854775807, got an integer of 301 digits"),
     ]],
     # a raw pickle (no code runs) and no torch warning before the one line
     (["--resume"], "cannot read snapshot", lambda state: pickle.dumps({"step": 1})),
