@@ -10,7 +10,7 @@ from dataclasses import fields
 import checkpoint
 from config import NUMBER, Config, RunError, UsageError, check_keys, validate
 from guards import clean_end
-from guards.preflight import torch_floor_error
+from guards.preflight import launcher_error, torch_floor_error
 
 
 def _convert(f, text):
@@ -99,8 +99,9 @@ def run(program, argv):
     a run that cannot go on, one line and status 1; Ctrl-C and SIGTERM, one line (the step
     reached, where the last snapshot is) and 130 or 143. Both signals unwind (clean_end.Interrupted),
     so a file being written atomically is finished or abandoned, never left half-written.
-    A torch older than this code supports is refused first, in the same one line."""
-    if why := torch_floor_error():
+    A torch older than this code supports, and a malformed torchrun environment, are refused first,
+    in the same one line."""
+    if why := torch_floor_error() or launcher_error():
         return say(f"error: {why}", 2)
     try:
         with clean_end.signals_handled():

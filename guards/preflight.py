@@ -4,6 +4,7 @@ Chapter: none; it is why bad input costs nothing. Read first: `preflight` (calle
 train.train on every rank before any process group exists, so a refusal is one line on
 each rank and no rank waits for another), then `resolve_accum`.
 """
+import os
 import re
 from pathlib import Path
 
@@ -41,6 +42,32 @@ def torch_floor_error(version=None):
     return (f"torch {version} is older than this code supports: it needs torch >= "
             f"{'.'.join(map(str, TORCH_FLOOR))} (torch.get_autocast_dtype(device_type)); "
             f"the tested range is in the README")
+
+
+def launcher_error(env=None):
+    """Why torchrun's variables in the environment cannot be a run's, or None; cli.run asks it before
+    anything reads them (int() of 'abc' and a division by LOCAL_WORLD_SIZE=0 were tracebacks)."""
+    env = os.environ if env is None else env
+    counts = {}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        if name in env and not re.fullmatch(r"[0-9]{1,9}", env[name]):
+            return f"{name}={env[name]!r} is not a count: torchrun sets it (start the run with torchrun, or unset it)"
+        if name in env:
+            counts[name] = int(env[name])
+    for size, index in (("WORLD_SIZE", "RANK"), ("LOCAL_WORLD_SIZE", "LOCAL_RANK")):
+        if counts.get(size) == 0:
+            return f"{size}=0: a run has at least one process (torchrun sets it: start the run with torchrun)"
+        if index in counts and size in counts and counts[index] >= counts[size]:
+            return f"{index}={counts[index]} is not below {size}={counts[size]}: torchrun numbers its " \
+                   f"processes from 0 (start the run with torchrun)"
+    unset = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in env]
+    if "RANK" in env and unset:  # init_process_group reads all four
+        return f"RANK is set but {', '.join(unset)} {'is' if len(unset) == 1 else 'are'} not: torchrun sets them " \
+               f"all (start the run with torchrun, or unset RANK)"
+    if "WORLD_SIZE" in env and "RANK" not in env:
+        return "WORLD_SIZE is set but RANK is not: torchrun sets both (start the run with torchrun, or unset " \
+               "WORLD_SIZE)"
+    return None
 
 
 def preflight(cfg, device, rank, held):

@@ -1,0 +1,38 @@
+"""Faults from outside the command line, tried as a new user meets them: torchrun's environment
+malformed, a data folder that loops through its links, a file of the user's where the lock goes,
+Ctrl-C from the first instant to the last, a rank or its launcher killed. Each ends in one line
+(exit 2 for bad input, 1 for a run that cannot go on, 130 or 143 for a signal), never a traceback,
+never a hang, and nothing of the user's written over.
+
+The cheap ones run in-process through train.main; signals and torchrun need real processes, kept
+few and bounded by timeouts (the suite's time is a budget)."""
+import pytest
+
+import train
+from conftest import merged
+from test_bad_input import TINY, ends_in_one_line, good_run, listing, out_dir, run_main  # noqa: F401 (fixtures)
+
+
+# ---------------------------------------------------------------- torchrun's environment
+
+@pytest.mark.parametrize("env,words", [
+    (dict(WORLD_SIZE="abc"), "WORLD_SIZE='abc' is not a count"),
+    (dict(RANK="abc", WORLD_SIZE="2"), "RANK='abc' is not a count"),
+    (dict(LOCAL_RANK="abc"), "LOCAL_RANK='abc' is not a count"),
+    (dict(LOCAL_WORLD_SIZE="abc"), "LOCAL_WORLD_SIZE='abc' is not a count"),
+    (dict(LOCAL_WORLD_SIZE="0"), "LOCAL_WORLD_SIZE=0: a run has at least one process"),
+    (dict(WORLD_SIZE="0"), "WORLD_SIZE=0: a run has at least one process"),
+    (dict(RANK="2", WORLD_SIZE="2", MASTER_ADDR="localhost", MASTER_PORT="29500"), "RANK=2 is not below WORLD_SIZE=2"),
+    (dict(LOCAL_RANK="1", LOCAL_WORLD_SIZE="1"), "LOCAL_RANK=1 is not below LOCAL_WORLD_SIZE=1"),
+    (dict(RANK="0", WORLD_SIZE="2"), "RANK is set but MASTER_ADDR, MASTER_PORT are not"),
+    (dict(WORLD_SIZE="2"), "WORLD_SIZE is set but RANK is not"),
+])
+def test_a_malformed_torchrun_environment_is_one_line(env, words, tmp_path, capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, err = run_main(train.main, merged(*TINY, f"--out_dir={tmp_path / 'out'}"), capsys)
+    ends_in_one_line(code, err, 2, words)
+    assert err.startswith("error: ") and "torchrun" in err, f"the line does not say who sets these: {err}"
+    assert not (tmp_path / "out").exists(), "a refused run made out_dir"
