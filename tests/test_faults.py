@@ -36,3 +36,38 @@ def test_a_malformed_torchrun_environment_is_one_line(env, words, tmp_path, caps
     ends_in_one_line(code, err, 2, words)
     assert err.startswith("error: ") and "torchrun" in err, f"the line does not say who sets these: {err}"
     assert not (tmp_path / "out").exists(), "a refused run made out_dir"
+
+
+# ---------------------------------------------------------------- data folders that loop
+
+def test_a_data_folder_that_links_back_is_read_once(tmp_path):
+    """d/self -> d, d/sub/up -> d and d/sub/again -> d/sub: a walk that follows links would read d's
+    file ~40 times (the kernel's limit of links in a path) through d/self alone, and through two links
+    back up it would never end. Each folder and each file is read once, whatever reaches it."""
+    from guards.data_files import text_files
+    d = tmp_path / "d"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.txt").write_text("a" * 1000)
+    (d / "sub" / "b.txt").write_text("b" * 1000)
+    (d / "self").symlink_to(".")
+    (d / "sub" / "up").symlink_to("..")
+    (d / "sub" / "again").symlink_to("../sub")
+    (d / "also_a.txt").symlink_to("a.txt")  # one file by two names
+    found = run_with_alarm(lambda: text_files(d), seconds=30)
+    assert [p.name for p in found] == ["a.txt", "b.txt"], f"read {[str(p.relative_to(d)) for p in found]}, " \
+                                                          f"not a.txt and sub/b.txt once each"
+
+
+def run_with_alarm(call, seconds):
+    """call(), or a test failure (not a hang) if it takes longer than `seconds`."""
+    import signal
+
+    def too_long(signum, frame):
+        raise AssertionError(f"still running after {seconds} s: it loops")
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(seconds)
+    try:
+        return call()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
