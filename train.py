@@ -30,7 +30,7 @@ import fsdp
 import precision
 import snapshot
 import zero
-from config import UsageError
+from config import RunError, UsageError
 from data import Batches
 from guards import clean_end, cli, snapshot_fields
 from guards.preflight import check_saved_policy, preflight, resolve_accum, scaler_asked_anew
@@ -223,7 +223,10 @@ def sample(model, device, n_tokens, prompt=b"def "):
     rng = snapshot.rng_state(device)
     model.eval()
     idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    out = model.generate(idx, n_tokens, temperature=0.8, top_k=50)[0].tolist()
+    try:
+        out = model.generate(idx, n_tokens, temperature=0.8, top_k=50)[0].tolist()
+    except RuntimeError as e:  # torch.multinomial refuses inf or NaN probabilities: logits that overflowed
+        raise RunError(f"no sample: the weights give inf or NaN probabilities ({str(e).splitlines()[0]})") from None
     model.train()
     snapshot.set_rng_state(rng, device)
     return bytes(out).decode("utf-8", errors="replace")
@@ -234,18 +237,21 @@ SAMPLE_KEYS = {"sample_only", "out_dir", "device", "seed", "sample_tokens"}  # w
 
 def sample_from_snapshot(cfg):
     """Print a sample from out_dir/snapshot.pt, with the model shape it was trained with."""
-    device = pick_device(cfg)
-    snap = snapshot.read(Path(cfg.out_dir) / snapshot.FILE)
-    check_saved_policy(snap, Path(cfg.out_dir) / snapshot.FILE)
+    device, path = pick_device(cfg), Path(cfg.out_dir) / snapshot.FILE
+    snap = snapshot.read(path)
+    check_saved_policy(snap, path)
     saved = snap["config"]  # checked by snapshot.read, as a whole config
     keys = (*snapshot_fields.SHAPE_KEYS, *snapshot_fields.FP8_SHAPE_KEYS, "attn", "fp8_recipe")
     cfg = config.validate(dataclasses.replace(cfg, **{k: saved[k] for k in keys if k in saved}))
     model, _ = build(cfg, device)
+    snapshot_fields.check_model_state(snap, model, path)
     try:
         model.load_state_dict(snap["model"])
+        print(sample(model, device, cfg.sample_tokens or 200))
     except (RuntimeError, KeyError) as e:
         raise UsageError(f"snapshot does not fit its own config: {str(e).splitlines()[0]}") from None
-    print(sample(model, device, cfg.sample_tokens or 200))
+    except RunError as e:  # the snapshot's weights are this program's input
+        raise UsageError(f"snapshot {path} is not usable: {e}") from None
 
 
 def program(argv):

@@ -21,6 +21,7 @@ from guards import snapshot_fields
 import config
 from config import UsageError
 from data import load_tokens, split_tokens
+from model import GPT, default_linear
 from guards.data_files import host_memory_available
 
 # K micro-step gradients, each 1/K of the step's, add up in FP32 at best (a 24-bit significand):
@@ -96,13 +97,19 @@ def preflight(cfg, device, rank, held):
         snap = snapshot.read(path)
         check_saved_policy(snap, path)
         snapshot_fields.check_same_model(snap, cfg, precision.recipe(cfg).fp8 is not None, path)
-        hysteresis = precision.recipe(snapshot_fields.saved_config(snap)).hysteresis  # the scaler it was saved by
-        if (left := snap["scaler"]["overflows_left"]) > hysteresis:
-            raise UsageError(f"snapshot {path} is not usable: the loss scaler tolerates {left} more overflows, "
-                             f"its config's hysteresis only {hysteresis}")
+        snapshot_fields.check_model_state(snap, meta_model(cfg), path)
     if rank == 0:  # what a killed run of ours left in out_dir goes
         files.remove_stale_temps(cfg.out_dir, (snapshot.FILE, files.PROBE, ledger_run.MEMORY_HISTORY))
     return snap, *tokens
+
+
+def meta_model(cfg):
+    """The model cfg's run builds, on the meta device (no memory, no values): the names, dtypes and shapes
+    of what its snapshot holds. Transformer Engine's Linears hold a weight and a bias as nn.Linear does."""
+    recipe = precision.recipe(cfg)
+    te = recipe.fp8 is not None and recipe.fp8.backend == "te"
+    with torch.device("meta"):
+        return GPT(cfg, linear_factory=default_linear if te else recipe.linear_factory()).to(recipe.param_dtype)
 
 
 def scaler_asked_anew(cfg, snap):
