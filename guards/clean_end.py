@@ -12,7 +12,9 @@ import errno
 import fcntl
 import math
 import os
+import re
 import signal
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from config import RunError, UsageError
 
 LOCK = ".memtrain.lock"  # in out_dir while a run uses it; its pid inside, for the refusal
+LOCK_TEXT = re.compile(rb"[0-9]{0,7}\n?")  # what a lock of ours holds (nothing yet, just made): any other is the user's
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -197,7 +200,8 @@ def out_dir_lock(folder):
     """Hold out_dir for a run's whole life: an exclusive flock on out_dir/.memtrain.lock, which
     the OS releases when the process ends however it ends (kill -9 leaves no stale lock). A second
     run on the same out_dir is refused in one line. On the way out the lock file is removed, and
-    any folder made for it, if still empty, so a refused or failed start leaves nothing behind."""
+    any folder made for it, if still empty, so a refused or failed start leaves nothing behind. A file
+    of that name that is no lock of ours (LOCK_TEXT) is the user's: refused, never written or removed."""
     folder = Path(folder)
     made = [p for p in [folder, *folder.parents] if not p.exists()]
     try:
@@ -219,10 +223,15 @@ def out_dir_lock(folder):
 
 def _acquire(path, folder):
     while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # O_NOFOLLOW: a link of that name is the user's, never written through
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR):
+                raise _not_ours(path, folder) from None
             raise UsageError(f"--out_dir={folder} cannot be written: {e.strerror or e}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or not LOCK_TEXT.fullmatch(os.pread(fd, 64, 0)):
+            os.close(fd)
+            raise _not_ours(path, folder)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -242,6 +251,11 @@ def _acquire(path, folder):
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             return fd
         os.close(fd)  # its holder removed it as we opened it: lock the file now under that name
+
+
+def _not_ours(path, folder):
+    return UsageError(f"--out_dir={folder}: {path} is not a lock of this program's (one holds a pid, or nothing): "
+                      f"it is left as it is; move it, or choose another --out_dir")
 
 
 def _remove_folders(made):

@@ -6,6 +6,8 @@ never a hang, and nothing of the user's written over.
 
 The cheap ones run in-process through train.main; signals and torchrun need real processes, kept
 few and bounded by timeouts (the suite's time is a budget)."""
+import os
+
 import pytest
 
 import train
@@ -71,3 +73,38 @@ def run_with_alarm(call, seconds):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+# ---------------------------------------------------------------- a file of the user's where the lock goes
+
+@pytest.mark.parametrize("kind", ["a file", "a link"])
+def test_a_file_of_the_users_named_like_the_lock_is_left_alone(kind, tmp_path, capsys):
+    """The lock is out_dir/.memtrain.lock, holding the pid of the run that holds it. A file of that
+    name that holds anything else is the user's: the run is refused, and the file (or what a link
+    points to) stays as it was."""
+    from guards import clean_end
+    out = tmp_path / "out"
+    out.mkdir()
+    text = "my own notes\n" if kind == "a file" else ""  # an empty file looks like a lock just made: a link is
+    mine = tmp_path / "notes.txt"                          # refused as a link, never written through
+    mine.write_text(text)
+    if kind == "a file":
+        (out / clean_end.LOCK).write_text(text)
+    else:
+        (out / clean_end.LOCK).symlink_to(mine)
+    code, err = run_main(train.main, merged(*TINY, f"--out_dir={out}"), capsys)
+    ends_in_one_line(code, err, 2, f"{out / clean_end.LOCK} is not a lock of this program's")
+    assert sorted(p.name for p in out.iterdir()) == [clean_end.LOCK], "the refused run wrote into out_dir"
+    assert (out / clean_end.LOCK).read_text() == text and mine.read_text() == text, "the user's file was changed"
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path, capsys):
+    """What kill -9 leaves (the OS dropped the flock; the file and its pid stay) is ours: the next run
+    takes it and removes it at its end."""
+    from guards import clean_end
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / clean_end.LOCK).write_text("4000000\n")
+    code, err = run_main(train.main, merged(*TINY, f"--out_dir={out}"), capsys)
+    assert code == 0, f"a run after a killed one failed:\n{err}"
+    assert clean_end.LOCK not in os.listdir(out), "the lock file stays after the run"
