@@ -19,6 +19,11 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
+from guards import interrupts
+
+if __name__ == "__main__":  # before torch loads (seconds): a Ctrl-C there is one line too, not a traceback
+    interrupts.from_the_start()
+
 import torch
 import torch.distributed as dist
 
@@ -124,14 +129,14 @@ def train(cfg, log=print):
         if "RANK" not in os.environ:
             return train_loop(cfg, log, accum, 0, device, 1, start)
         if rank != 0:  # it writes nothing, so has nothing to unwind: a signal ends it at once, even in a collective
-            held.enter_context(clean_end.signals_handled(signal.SIG_DFL))
+            held.enter_context(interrupts.signals_handled(signal.SIG_DFL))
         return train_ddp(cfg, log, accum, device, start)
 
 
 def train_ddp(cfg, log, accum, device, start):
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    with clean_end.signals_handled(signal.SIG_DFL):  # torchrun's SIGTERM must not wait out the rendezvous
+    with interrupts.signals_handled(signal.SIG_DFL):  # torchrun's SIGTERM must not wait out the rendezvous
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
         history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size(), start)

@@ -2,7 +2,7 @@
 
 Chapter: none; section 1's loss scaler (precision.py) skips a step whose gradients overflow,
 and this file says when skipping is no longer the scaler's doing. Read first: `Divergence`
-(the rule), then `out_dir_lock`, then `Interrupted`.
+(the rule), then `out_dir_lock`; Ctrl-C and SIGTERM are guards/interrupts.py's.
 
 Every stop keeps the last good snapshot: a diverged run is stopped before its next snapshot
 would be written, a signal unwinds a write in progress (snapshot.write_atomically removes
@@ -13,7 +13,6 @@ import fcntl
 import math
 import os
 import re
-import signal
 import stat
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from config import RunError, UsageError
+from guards.interrupts import Interrupted
 
 LOCK = ".memtrain.lock"  # in out_dir while a run uses it; its pid inside, for the refusal
 LOCK_TEXT = re.compile(rb"[0-9]{0,7}\n?")  # what a lock of ours holds (nothing yet, just made): any other is the user's
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 # ---------------------------------------------------------------- divergence
@@ -156,41 +155,6 @@ class Guard:
         except Interrupted as e:
             e.where = f"step {self.done} of {self.cfg.max_iters}; {self.note()}"
             raise
-
-
-# ---------------------------------------------------------------- Ctrl-C and SIGTERM
-
-class Interrupted(BaseException):
-    """Ctrl-C or SIGTERM, raised where the program is. A BaseException, as KeyboardInterrupt is:
-    no `except Exception` swallows it, and every `finally` on the way out runs (a snapshot being
-    written is abandoned and its temporary file removed). train.run prints it as one line and
-    exits with 128 + the signal's number (130, 143)."""
-
-    def __init__(self, signum):
-        super().__init__(signum)
-        self.signum, self.where = signum, ""
-
-    def line(self):
-        name = "Ctrl-C (SIGINT)" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
-        return f"stopped by {name}" + (f" at {self.where}" if self.where else "")
-
-
-def _raise_interrupted(signum, frame):
-    raise Interrupted(signum)
-
-
-@contextmanager
-def signals_handled(handler=_raise_interrupted):
-    """Inside, SIGINT and SIGTERM call `handler` (by default: raise Interrupted); the previous
-    handlers come back after. handler=signal.SIG_DFL: the signal ends the process at once, for
-    a wait in C that no Python handler can interrupt (init_process_group's rendezvous: torchrun's
-    SIGTERM would otherwise wait there until its 30 s kill) or a rank with nothing to unwind."""
-    previous = {s: signal.signal(s, handler) for s in SIGNALS}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 # ---------------------------------------------------------------- one run per out_dir

@@ -7,11 +7,15 @@ never a hang, and nothing of the user's written over.
 The cheap ones run in-process through train.main; signals and torchrun need real processes, kept
 few and bounded by timeouts (the suite's time is a budget)."""
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 import train
-from conftest import merged
+from conftest import ROOT, merged
 from test_bad_input import TINY, ends_in_one_line, good_run, listing, out_dir, run_main  # noqa: F401 (fixtures)
 
 
@@ -108,3 +112,76 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path, capsys):
     code, err = run_main(train.main, merged(*TINY, f"--out_dir={out}"), capsys)
     assert code == 0, f"a run after a killed one failed:\n{err}"
     assert clean_end.LOCK not in os.listdir(out), "the lock file stays after the run"
+
+
+# ---------------------------------------------------------------- Ctrl-C, from the first instant to the last
+
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+
+def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
+    """torch takes seconds to import, before any code of the program runs: Ctrl-C there was a
+    KeyboardInterrupt traceback. The signal goes once torch's library is being mapped in."""
+    proc = subprocess.Popen([sys.executable, "train.py", *merged(*TINY, f"--out_dir={tmp_path / 'out'}")], cwd=ROOT,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while "libtorch" not in open(f"/proc/{proc.pid}/maps").read():  # importing torch now
+        assert time.monotonic() < deadline and proc.poll() is None, "torch never started loading"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    ends_in_one_line(proc.returncode, err, 130, "stopped by Ctrl-C (SIGINT)")
+    assert not (tmp_path / "out").exists(), "a run stopped while starting made out_dir"
+
+
+TWICE = """
+import os, runpy, signal, sys
+sys.path.insert(0, {root!r})
+sys.argv = ["train.py", *{argv!r}]
+import accumulate
+real, calls = accumulate.accumulation_step, []
+def step(*a, **kw):
+    calls.append(1)
+    if len(calls) == 3:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of step 3...
+            return real(*a, **kw)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)  # ...and again while the first unwinds
+    return real(*a, **kw)
+accumulate.accumulation_step = step
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+AFTER = """
+import os, runpy, signal, sys, time
+sys.path.insert(0, {root!r})
+sys.argv = ["train.py", *{argv!r}]
+import accumulate
+from guards import cli
+real_step, real_say = accumulate.accumulation_step, cli.say
+def step_then_ctrl_c(*a, **kw):
+    out = real_step(*a, **kw)
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the first step ends...
+    return out
+def say_then_ctrl_c(line, status):
+    code = real_say(line, status)
+    os.kill(os.getpid(), signal.SIGINT)  # ...and again once the program said its line, as it ends
+    time.sleep(1)
+    return code
+accumulate.accumulation_step, cli.say = step_then_ctrl_c, say_then_ctrl_c
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("script,words", [
+    (TWICE, "stopped by Ctrl-C (SIGINT); Ctrl-C (SIGINT) again: ended at once"),
+    (AFTER, "stopped by Ctrl-C (SIGINT) at step 0 of 100000; no snapshot was written"),
+])
+def test_ctrl_c_twice_is_one_line(script, words, tmp_path):
+    """A second Ctrl-C while the first unwinds ends the run at once; one after the program said its line
+    (as Python shuts down, torch's libraries unloading) adds nothing. Both were KeyboardInterrupt tracebacks."""
+    argv = merged(*TINY, f"--out_dir={tmp_path}", "--max_iters=100000")
+    r = subprocess.run([sys.executable, "-c", script.format(root=str(ROOT), argv=argv)], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    ends_in_one_line(r.returncode, r.stderr, 130, words)
