@@ -139,12 +139,13 @@ def train_ddp(cfg, log, accum, device, start):
     with interrupts.signals_handled(signal.SIG_DFL):  # torchrun's SIGTERM must not wait out the rendezvous
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
-        history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size(), start)
-        # the DDP wrapper sits in reference cycles: free it while its process group lives
-        # (collected at interpreter exit instead, gloo's pending work can abort the process),
-        # and leave together, so no rank tears gloo down while a peer still writes
-        gc.collect()
-        dist.barrier()
+        with clean_end.lost_ranks_named():  # a rank killed mid-run is named in one line, not gloo's traceback
+            history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size(), start)
+            # the DDP wrapper sits in reference cycles: free it while its process group lives
+            # (collected at interpreter exit instead, gloo's pending work can abort the process),
+            # and leave together, so no rank tears gloo down while a peer still writes
+            gc.collect()
+            dist.barrier()
         return history
     finally:
         dist.destroy_process_group()

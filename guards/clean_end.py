@@ -13,7 +13,10 @@ import fcntl
 import math
 import os
 import re
+import signal
+import socket
 import stat
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from config import RunError, UsageError
-from guards.interrupts import Interrupted
+from guards.interrupts import SIGNALS, Interrupted, launcher_gone
 
 LOCK = ".memtrain.lock"  # in out_dir while a run uses it; its pid inside, for the refusal
 LOCK_TEXT = re.compile(rb"[0-9]{0,7}\n?")  # what a lock of ours holds (nothing yet, just made): any other is the user's
@@ -228,3 +231,58 @@ def _remove_folders(made):
             p.rmdir()
         except OSError:
             pass
+
+
+# ---------------------------------------------------------------- a rank, or its launcher, lost
+
+@contextmanager
+def lost_ranks_named():
+    """Around a torchrun rank's life once its process group forms: a collective that fails because
+    another rank is gone (kill -9, SIGTERM, a crash) ends this one in a line naming it, not in gloo's
+    traceback. Every rank's host and pid are gathered first (a collective: every rank enters)."""
+    table = [None] * dist.get_world_size()
+    dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
+    try:
+        yield
+    except RuntimeError as e:  # gloo's and NCCL's errors (torch.distributed.DistError is one)
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in SIGNALS}  # torchrun's SIGTERM comes next: say it first
+        if line := launcher_gone():  # torchrun itself is gone, and with it every rank: that is the news
+            raise RunError(line) from None
+        gone = _gone(table, e)
+        if gone is None:
+            for s, h in previous.items():
+                signal.signal(s, h)
+            raise
+        raise RunError(f"rank {dist.get_rank()}: {gone} (killed, or it failed: its own line says why); this rank "
+                       f"cannot go on without it and stops; the last snapshot written is kept") from None
+
+
+def _gone(table, error, wait=1.0):
+    """Who is gone, in words, or None: ranks on this host whose process ended (a killed rank closes its
+    sockets a moment before it is seen ended: looked for up to `wait` s), else a lost connection to
+    ranks on other hosts, which this rank cannot look at."""
+    host, me = socket.gethostname(), os.getpid()
+    for _ in range(int(wait / 0.05) + 1):
+        gone = [(r, pid) for r, (h, pid) in enumerate(table) if h == host and pid != me and _ended(pid)]
+        if gone:
+            return ", ".join(f"rank {r} (pid {pid})" for r, pid in gone) + (" is" if len(gone) == 1 else " are") \
+                + " gone"
+        time.sleep(0.05)
+    others = sorted({h for h, _ in table if h != host})
+    return f"lost contact with the ranks on {', '.join(others)}" if others and "onnection" in str(error) else None
+
+
+def _ended(pid):
+    try:  # a zombie (Z) has ended; its parent (torchrun) has not collected it yet
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False

@@ -103,6 +103,7 @@ def run(program, argv):
     in the same one line."""
     if why := torch_floor_error() or launcher_error():
         return say(f"error: {why}", 2)
+    interrupts.watch_launcher()  # under torchrun: its kill -9 must not leave this rank running or waiting
     try:
         with interrupts.signals_handled():
             return program(argv) or 0

@@ -1,19 +1,24 @@
-"""Ctrl-C and SIGTERM: one line and exit 130 or 143, from a program's first instant to its last, never a traceback.
+"""Ctrl-C and SIGTERM: one line and exit 130 or 143, from a program's first instant to its last, never a traceback;
+and a torchrun rank whose torchrun is gone ends in one line too.
 
 Not read to learn the chapter. Read first: `Interrupted` (the first signal unwinds the program, so a
 file being written is finished or abandoned), then `signals_handled` (cli.run holds it around every
-program), then `at_once` (where nothing needs unwinding, or the user will not wait for it).
+program), then `at_once` (where nothing needs unwinding, or the user will not wait for it), then
+`watch_launcher`.
 
-No torch here: train.py installs `at_once` before it imports torch, which takes seconds (a Ctrl-C
-there was a KeyboardInterrupt traceback).
+No torch here: train.py calls `from_the_start` before it imports torch, which takes seconds (a Ctrl-C
+there was a KeyboardInterrupt traceback; a kill -9 of torchrun there left its ranks waiting for ever).
 """
 import os
 import signal
+import threading
+import time
 from contextlib import contextmanager
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _first = None  # the Interrupted the first signal raised inside signals_handled
 _line_written = False  # the program wrote its one line (cli.say): a signal after it adds none
+_launcher = None  # the pid of this rank's torchrun, once watch_launcher watches it
 
 
 class Interrupted(BaseException):
@@ -55,9 +60,36 @@ def at_once(signum, frame):
 
 
 def from_the_start():
-    """A program's first line, before torch loads: Ctrl-C or SIGTERM is one line from here on."""
+    """A program's first line, before torch loads: Ctrl-C or SIGTERM is one line from here on, and a
+    torchrun rank watches its torchrun."""
     for s in SIGNALS:
         signal.signal(s, at_once)
+    watch_launcher()
+
+
+def watch_launcher():
+    """Under torchrun, a thread that ends this rank in one line (exit 1) once torchrun is gone: orphaned
+    by a kill -9 of it, its ranks trained on, or waited for its store (in init_process_group) until
+    killed. A process whose parent dies gets another (init, a subreaper): asked once a second."""
+    global _launcher
+    if _launcher is not None or "TORCHELASTIC_RUN_ID" not in os.environ or os.getppid() == 1:
+        return
+    _launcher = os.getppid()
+
+    def watch():
+        while not (line := launcher_gone()):
+            time.sleep(1)
+        os.write(2, f"error: {line}\n".encode())
+        os._exit(1)  # at once, from this thread: the main one may wait in C (a collective, torchrun's store)
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def launcher_gone():
+    """The line of a rank whose torchrun is gone, or None while it lives (or none is watched)."""
+    if _launcher is None or os.getppid() == _launcher:
+        return None
+    return (f"rank {os.environ.get('RANK', '?')}: its launcher (torchrun, pid {_launcher}) is gone (killed?): "
+            f"this rank stops; the last snapshot written is kept")
 
 
 def line_written():

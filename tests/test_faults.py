@@ -185,3 +185,87 @@ def test_ctrl_c_twice_is_one_line(script, words, tmp_path):
     r = subprocess.run([sys.executable, "-c", script.format(root=str(ROOT), argv=argv)], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=120)
     ends_in_one_line(r.returncode, r.stderr, 130, words)
+
+
+# ---------------------------------------------------------------- torchrun: a rank, or torchrun itself, killed
+
+def torchrun_started(tmp_path, until_step=3):
+    """torchrun with 2 ranks of TINY, in a process group of its own, and {rank: pid} of its ranks: returned
+    once rank 0 logged step `until_step`, or (None) once both ranks are loading torch. stdout is drained
+    by a thread: a full pipe would stall the ranks."""
+    import threading
+    args = merged(*TINY, f"--out_dir={tmp_path}", "--max_iters=100000", "--log_interval=1")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "train.py", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    ranks, deadline = {}, time.monotonic() + 120
+    while until_step is None and not (len(ranks) == 2 and all(loading_torch(pid) for pid in ranks.values())):
+        assert time.monotonic() < deadline and proc.poll() is None, f"torchrun's ranks never loaded torch: {ranks}"
+        ranks = ranks_of(proc.pid)
+        time.sleep(0.01)
+    for line in proc.stdout if until_step else ():
+        if line.startswith(f"step {until_step:5d} |"):
+            break
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    ranks = ranks_of(proc.pid)
+    assert sorted(ranks) == [0, 1], f"torchrun's ranks not found (the run ended early?): {ranks}"
+    return proc, ranks
+
+
+def ranks_of(launcher):
+    """{rank: pid} of the processes `launcher` started (their RANK in their environment)."""
+    ranks = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[1]) == launcher:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                ranks[int(next(e for e in env if e.startswith(b"RANK="))[5:])] = int(pid)
+        except (OSError, StopIteration):
+            pass
+    return ranks
+
+
+def loading_torch(pid):
+    try:
+        return "libtorch" in open(f"/proc/{pid}/maps").read()
+    except OSError:
+        return False
+
+
+def stopped_within(proc, seconds):
+    """stderr once every process of the job has ended (they hold its pipe); kill them all if it takes longer."""
+    try:
+        return proc.communicate(timeout=seconds)[1]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"the job still ran {seconds} s later: it hangs") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of it may outlive the test
+        except ProcessLookupError:
+            pass
+
+
+def test_a_rank_killed_is_named_by_the_survivor(tmp_path):
+    """kill -9 of rank 1: rank 0's next collective fails in gloo; it ended in a RuntimeError traceback."""
+    proc, ranks = torchrun_started(tmp_path)
+    os.kill(ranks[1], signal.SIGKILL)
+    err = stopped_within(proc, 60)
+    said = [line for line in err.splitlines() if line.startswith("error: rank 0:")]
+    assert len(said) == 1 and f"rank 1 (pid {ranks[1]}) is gone" in said[0], \
+        f"rank 0 did not end in one line naming rank 1 (pid {ranks[1]}):\n{err[-3000:]}"
+    assert "[rank0]" not in err and str(ROOT / "train.py") not in err, f"rank 0 printed a traceback:\n{err[-3000:]}"
+
+
+def test_a_rank_notices_its_launcher_is_gone(tmp_path):
+    """kill -9 of torchrun while its ranks load torch: orphaned, they went on to wait for torchrun's
+    store in init_process_group until killed from outside (later in the run, they trained on). Each
+    notices within a second and ends in one line."""
+    proc, ranks = torchrun_started(tmp_path, until_step=None)
+    os.kill(proc.pid, signal.SIGKILL)
+    err = stopped_within(proc, 30)
+    said = sorted(line for line in err.splitlines() if line.startswith("error: rank"))
+    assert said == [f"error: rank {r}: its launcher (torchrun, pid {proc.pid}) is gone (killed?): this rank stops; "
+                    f"the last snapshot written is kept" for r in (0, 1)], \
+        f"not one line per rank saying its launcher is gone:\n{err[-3000:]}"
+    assert "Traceback" not in err, f"a traceback:\n{err[-3000:]}"
