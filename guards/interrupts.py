@@ -53,7 +53,7 @@ def at_once(signum, frame):
     """End the process now, in one line: torch still loading (nothing to unwind), a second Ctrl-C while
     the first unwinds, a signal after the program said its line (then no second line). A write in
     progress is left as a temporary file (the last snapshot stays whole), removed at the next start."""
-    if not _line_written:
+    if not _line_written and os.environ.get("RANK", "0") == "0":  # torchrun's other ranks end silently, as ever
         line = f"{_first.line()}; {name(signum)} again: ended at once" if _first else f"stopped by {name(signum)}"
         os.write(2, (line + "\n").encode())
     os._exit(128 + signum)
@@ -79,7 +79,8 @@ def watch_launcher():
     def watch():
         while not (line := launcher_gone()):
             time.sleep(1)
-        os.write(2, f"error: {line}\n".encode())
+        if not _line_written:  # the main thread may have said it first (clean_end.lost_ranks_named)
+            os.write(2, f"error: {line}\n".encode())
         os._exit(1)  # at once, from this thread: the main one may wait in C (a collective, torchrun's store)
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
