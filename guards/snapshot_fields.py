@@ -14,10 +14,10 @@ import math
 
 import torch
 
-import fp8
 import precision
 from backends.fp8_gemm import E4M3, E5M2, fp8_max
 from config import FP32_MAX, INT64_MAX, Config, UsageError, validate as validate_config
+from fp8 import FP8Linear, scale_from_amax
 
 # the keys that must agree between a snapshot and the run that resumes from (or samples) it
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "precision")
@@ -43,8 +43,8 @@ def validate(state, path):
     for name, t in state["model"].items():
         need(torch.is_tensor(t) or name.endswith("_extra_state"), f"model entry {name} is not a tensor")
         need(not torch.is_tensor(t) or _dense(t),
-             f"model entry {name} is a sparse tensor ({t.layout if torch.is_tensor(t) else ''}), this run writes a "
-             f"dense one")
+             f"model entry {name} is a sparse tensor ({t.layout if torch.is_tensor(t) else ''}), a snapshot holds "
+             f"dense ones")
         need(not torch.is_tensor(t) or not t.is_floating_point() or bool(torch.isfinite(t).all()),
              f"model entry {name} holds inf or NaN")
     masters = state["optimizer"].get("master_params")
@@ -172,7 +172,7 @@ def check_same_model(state, cfg, fp8, path):
 def check_model_state(state, model, path):
     """Raise UsageError unless every model tensor of the snapshot is what `model` (this run's, or its copy
     on the meta device) holds, in dtype and shape (load_state_dict would cast another dtype silently), and
-    each FP8 Linear's scales are what its amax history gives (what fp8.FP8Linear.fold_amax writes)."""
+    each FP8 Linear's scales are what its amax history gives (what FP8Linear.fold_amax writes)."""
     own = model.state_dict()
     for name, t in state["model"].items():
         if torch.is_tensor(own.get(name)) and (t.dtype, t.shape) != (own[name].dtype, own[name].shape):
@@ -183,12 +183,12 @@ def check_model_state(state, model, path):
     settings = precision.recipe(saved_config(state)).fp8  # the scales were written with the snapshot's margin
     for prefix, layer in model.named_modules():
         history, scale = (state["model"].get(f"{prefix}.{k}") for k in ("amax_history", "scale"))
-        if not isinstance(layer, fp8.FP8Linear) or history is None or scale is None:
+        if not isinstance(layer, FP8Linear) or history is None or scale is None:
             continue
         if not bool((history >= 0).all()):
             raise UsageError(f"snapshot {path} is not usable: model entry {prefix}.amax_history holds a negative "
                              f"amax (an amax is a largest absolute value)")
-        expected = fp8.scale_from_amax(history.amax(0), maxima, settings.margin)
+        expected = scale_from_amax(history.amax(0), maxima, settings.margin)
         if not torch.allclose(scale, expected, rtol=1e-6, atol=0):
             raise UsageError(f"snapshot {path} is not usable: model entry {prefix}.scale is {scale.tolist()}, its "
                              f"amax history gives {expected.tolist()} (fp8_max / amax / 2**fp8_margin)")

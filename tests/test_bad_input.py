@@ -205,8 +205,9 @@ TRAIN_CASES = [
     # (a sparse tensor was a dispatcher traceback), and the optimizer's moments alike
     *[(flags, f"model entry wte.weight is a {dtype} tensor, this run writes torch.bfloat16",
        model_entry("wte.weight", lambda t, d=dtype: (t * 3).to(d)))
-      for dtype in (torch.int64, torch.uint8, torch.bool, torch.complex64) for flags in (["--resume"], ["--sample_only"])],
-    *[(flags, "model entry wte.weight is a sparse tensor (torch.sparse_coo), this run writes a dense one",
+      for dtype in (torch.int64, torch.uint8, torch.bool, torch.complex64)
+      for flags in (["--resume"], ["--sample_only"])],
+    *[(flags, "model entry wte.weight is a sparse tensor (torch.sparse_coo), a snapshot holds dense ones",
        model_entry("wte.weight", lambda t: t.to_sparse())) for flags in (["--resume"], ["--sample_only"])],
     (["--resume"], "AdamW state 0: exp_avg is not a dense FP32 tensor", moment(0, "exp_avg", lambda t: t.to_sparse())),
     (["--resume"], "AdamW state 0: exp_avg is not a dense FP32 tensor", moment(0, "exp_avg", lambda t: t.bfloat16())),
@@ -218,8 +219,8 @@ TRAIN_CASES = [
     (["--resume"], "clean_steps=5", nested("scaler", "clean_steps", value=5)),
     (["--resume"], "skipped_steps=3 is more than the 2 steps taken", nested("scaler", "skipped_steps", value=3)),
     # finite weights whose logits overflow: torch.multinomial's RuntimeError was the traceback of `make sample`
-    (["--sample_only"], "is not usable: no sample: the weights give inf or NaN probabilities", lambda st: {**st, "model": {
-        k: v * 1e30 if v.is_floating_point() else v for k, v in st["model"].items()}}),
+    (["--sample_only"], "is not usable: no sample: the weights give inf or NaN probabilities",
+     lambda st: {**st, "model": {k: v * 1e30 if v.is_floating_point() else v for k, v in st["model"].items()}}),
 ]
 
 
