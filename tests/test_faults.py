@@ -16,7 +16,7 @@ import pytest
 
 import train
 from conftest import ROOT, merged
-from test_bad_input import TINY, ends_in_one_line, good_run, listing, out_dir, run_main  # noqa: F401 (fixtures)
+from test_bad_input import TINY, ends_in_one_line, run_main
 
 
 # ---------------------------------------------------------------- torchrun's environment
