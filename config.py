@@ -3,10 +3,9 @@
 Chapter: none by itself; every section's switch is a key here (PRECISION, ACCUM, CKPT).
 Read first: `Config` (each key with its one-line meaning), then `validate`.
 
-Every key is a command-line flag (`--n_layer=8`) and, in capitals, a make variable
-(`make train N_LAYER=8`; the Makefile lists every key, and `ARGS=` passes a tool's own
-flags). The chapter files read a Config; they never parse arguments themselves. Bad input
-raises `UsageError`, which the programs print as one line and exit with status 2.
+Every key is a command-line flag (`--n_layer=8`) and, in capitals, a make variable (`make train
+N_LAYER=8`). The chapter files read a Config, never arguments (guards/cli.py parses). Bad input
+raises `UsageError`: the programs print it as one line and exit with status 2.
 """
 import math
 import os
@@ -25,6 +24,7 @@ CKPT_IMPLS = ("hooks", "naive")  # checkpoint.IMPLEMENTATIONS
 
 
 FP32_MAX = 3.4028234663852886e38  # the optimizer and the master weights compute in FP32
+INT64_MAX = 2 ** 63 - 1  # torch counts and indexes in int64: the largest any int key may be
 
 
 class UsageError(Exception):
@@ -119,10 +119,12 @@ def check_keys(obj):
             raise UsageError(f"--{f.name} must be a finite number within FP32's range, got {value}")
         if meta.get("choices") and value not in meta["choices"]:
             raise UsageError(f"--{f.name}={value} is not one of {'|'.join(meta['choices'])}")
+        most = INT64_MAX if meta.get("at_most") is None and type(value) is int else meta.get("at_most")
         if meta.get("at_least") is not None and value < meta["at_least"]:
             raise UsageError(f"--{f.name} must be >= {meta['at_least']}, got {value}")
-        if meta.get("at_most") is not None and value > meta["at_most"]:
-            raise UsageError(f"--{f.name} must be <= {meta['at_most']}, got {value}")
+        if most is not None and value > most:
+            got = f"an integer of {len(str(value))} digits" if value > INT64_MAX else value
+            raise UsageError(f"--{f.name} must be <= {most}, got {got}")
 
 
 def validate(cfg):
@@ -141,6 +143,11 @@ def validate(cfg):
             index = 0 if name == "beta1" else 1
             raise UsageError(f"--{name} must be in [0, 1) (AdamW's beta parameter at index {index}), "
                              f"got {getattr(cfg, name)}")
+    # AdamW's first step moves by lr / (1 - beta1) (its bias correction): FP32 must hold that number
+    name, lr = max(("learning_rate", cfg.learning_rate), ("min_lr", cfg.min_lr), key=lambda k: k[1])
+    if lr / (1 - cfg.beta1) > FP32_MAX:
+        raise UsageError(f"--{name}={lr:g} is too large: AdamW's first step moves by lr / (1 - beta1) = "
+                         f"{lr / (1 - cfg.beta1):g}, past FP32's largest number ({FP32_MAX:.6g})")
     if cfg.total_batch_tokens and cfg.accum != 1:
         raise UsageError("give --accum or --total_batch_tokens (which derives accum), not both")
     if cfg.loss_scale not in ("auto", "dynamic", "none"):

@@ -46,9 +46,10 @@ def read(path):
         raise UsageError(f"no snapshot at {path} to resume or sample from; train first") from None
     except OSError as e:  # a name too long, a folder without permission
         raise UsageError(f"cannot read snapshot {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before open(): it refuses a folder with IsADirectoryError
+        os.close(fd)
+        raise UsageError(f"snapshot {path} is not a regular file (a pipe, a device or a folder)")
     with open(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UsageError(f"snapshot {path} is not a regular file (a pipe, a device or a folder)")
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch warns of a raw-pickle file before refusing it

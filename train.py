@@ -1,12 +1,8 @@
-"""The trainer: build the run, the DDP lifecycle, the loop, evaluation, the progress line.
+"""The trainer: build the run, the DDP lifecycle, the loop, evaluation, sampling.
 
-Chapter: all of it, run end to end. Read first: `build` (the precision recipe, the
-model, the recompute policy and the optimizer, each decided once), then `train_loop`,
-which calls accumulate.py once per optimizer step. Every key is config.py's Config.
-
-    python train.py --precision=bf16 --ckpt=full --accum=4
-    torchrun --standalone --nproc_per_node=2 train.py --accum=4
-
+Chapter: all of it, run end to end. Read first: `train_loop`, which calls accumulate.py once per
+optimizer step, then `build` (the precision recipe, the model, the recompute policy and the optimizer,
+each decided once). `python train.py --precision=bf16 --ckpt=full --accum=4`; under torchrun, DDP.
 Model save/resume is a *snapshot* here (snapshot.py); checkpoint.py is activation checkpointing.
 """
 import dataclasses
@@ -19,6 +15,11 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
+from guards import interrupts
+
+if __name__ == "__main__":  # before torch loads (seconds): a Ctrl-C there is one line too, not a traceback
+    interrupts.from_the_start()
+
 import torch
 import torch.distributed as dist
 
@@ -30,7 +31,7 @@ import fsdp
 import precision
 import snapshot
 import zero
-from config import UsageError
+from config import RunError, UsageError
 from data import Batches
 from guards import clean_end, cli, snapshot_fields
 from guards.preflight import check_saved_policy, preflight, resolve_accum, scaler_asked_anew
@@ -125,22 +126,23 @@ def train(cfg, log=print):
         if "RANK" not in os.environ:
             return train_loop(cfg, log, accum, 0, device, 1, start)
         if rank != 0:  # it writes nothing, so has nothing to unwind: a signal ends it at once, even in a collective
-            held.enter_context(clean_end.signals_handled(signal.SIG_DFL))
+            held.enter_context(interrupts.signals_handled(signal.SIG_DFL))
         return train_ddp(cfg, log, accum, device, start)
 
 
 def train_ddp(cfg, log, accum, device, start):
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    with clean_end.signals_handled(signal.SIG_DFL):  # torchrun's SIGTERM must not wait out the rendezvous
+    with interrupts.signals_handled(signal.SIG_DFL):  # torchrun's SIGTERM must not wait out the rendezvous
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
-        history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size(), start)
-        # the DDP wrapper sits in reference cycles: free it while its process group lives
-        # (collected at interpreter exit instead, gloo's pending work can abort the process),
-        # and leave together, so no rank tears gloo down while a peer still writes
-        gc.collect()
-        dist.barrier()
+        with clean_end.lost_ranks_named():  # a rank killed mid-run is named in one line, not gloo's traceback
+            history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size(), start)
+            # the DDP wrapper sits in reference cycles: free it while its process group lives
+            # (collected at interpreter exit instead, gloo's pending work can abort the process),
+            # and leave together, so no rank tears gloo down while a peer still writes
+            gc.collect()
+            dist.barrier()
         return history
     finally:
         dist.destroy_process_group()
@@ -148,11 +150,8 @@ def train_ddp(cfg, log, accum, device, start):
 
 def wrap_ddp(model, device):
     from torch.nn.parallel import DistributedDataParallel
-    # no buffer sync per forward: DDP would otherwise copy rank 0's buffers over every
-    # rank's at each forward; the causal masks are constant, and FP8's per-step amax must
-    # stay each rank's own until fp8.fold_amax takes the max over ranks. (torch 2.13
-    # deprecates broadcast_buffers for forward_sync_buffers, which still syncs once at
-    # init: harmless here, every rank starts identical.)
+    # no buffer sync per forward: FP8's per-step amax stays each rank's own until fp8.fold_amax takes the
+    # max over ranks (torch 2.13 renames broadcast_buffers forward_sync_buffers)
     no_buffer_sync = ({"forward_sync_buffers": False}
                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                       else {"broadcast_buffers": False})
@@ -224,7 +223,10 @@ def sample(model, device, n_tokens, prompt=b"def "):
     rng = snapshot.rng_state(device)
     model.eval()
     idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    out = model.generate(idx, n_tokens, temperature=0.8, top_k=50)[0].tolist()
+    try:
+        out = model.generate(idx, n_tokens, temperature=0.8, top_k=50)[0].tolist()
+    except RuntimeError as e:  # torch.multinomial refuses inf or NaN probabilities: logits that overflowed
+        raise RunError(f"no sample: the weights give inf or NaN probabilities ({str(e).splitlines()[0]})") from None
     model.train()
     snapshot.set_rng_state(rng, device)
     return bytes(out).decode("utf-8", errors="replace")
@@ -235,18 +237,21 @@ SAMPLE_KEYS = {"sample_only", "out_dir", "device", "seed", "sample_tokens"}  # w
 
 def sample_from_snapshot(cfg):
     """Print a sample from out_dir/snapshot.pt, with the model shape it was trained with."""
-    device = pick_device(cfg)
-    snap = snapshot.read(Path(cfg.out_dir) / snapshot.FILE)
-    check_saved_policy(snap, Path(cfg.out_dir) / snapshot.FILE)
+    device, path = pick_device(cfg), Path(cfg.out_dir) / snapshot.FILE
+    snap = snapshot.read(path)
+    check_saved_policy(snap, path)
     saved = snap["config"]  # checked by snapshot.read, as a whole config
     keys = (*snapshot_fields.SHAPE_KEYS, *snapshot_fields.FP8_SHAPE_KEYS, "attn", "fp8_recipe")
     cfg = config.validate(dataclasses.replace(cfg, **{k: saved[k] for k in keys if k in saved}))
     model, _ = build(cfg, device)
+    snapshot_fields.check_model_state(snap, model, path)
     try:
         model.load_state_dict(snap["model"])
+        print(sample(model, device, cfg.sample_tokens or 200))
     except (RuntimeError, KeyError) as e:
         raise UsageError(f"snapshot does not fit its own config: {str(e).splitlines()[0]}") from None
-    print(sample(model, device, cfg.sample_tokens or 200))
+    except RunError as e:  # the snapshot's weights are this program's input
+        raise UsageError(f"snapshot {path} is not usable: {e}") from None
 
 
 def program(argv):

@@ -4,8 +4,9 @@
                        one-line ending (bad input exit 2, a run that cannot go on 1, signals)
   preflight.py         everything every rank checks before a run is built (the input, out_dir
                        and its lock, the snapshot, K), so bad input costs nothing
-  clean_end.py         how a run ends early and cleanly: divergence, Ctrl-C and SIGTERM, a
-                       second run on one out_dir (Guard: all of it behind one name)
+  clean_end.py         how a run ends early and cleanly: divergence, a second run on one out_dir,
+                       a rank or its launcher lost (Guard: the loop's part behind one name)
+  interrupts.py        Ctrl-C and SIGTERM, one line from a program's first instant to its last
   files.py             atomic writes, the temporary files a killed run left, a folder probed
   data_files.py        --data read safely: regular files only, read as needed (pread, not a map)
   snapshot_fields.py   every field of a snapshot checked, by the command line's own rules,

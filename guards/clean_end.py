@@ -2,7 +2,7 @@
 
 Chapter: none; section 1's loss scaler (precision.py) skips a step whose gradients overflow,
 and this file says when skipping is no longer the scaler's doing. Read first: `Divergence`
-(the rule), then `out_dir_lock`, then `Interrupted`.
+(the rule), then `out_dir_lock`; Ctrl-C and SIGTERM are guards/interrupts.py's.
 
 Every stop keeps the last good snapshot: a diverged run is stopped before its next snapshot
 would be written, a signal unwinds a write in progress (snapshot.write_atomically removes
@@ -12,7 +12,11 @@ import errno
 import fcntl
 import math
 import os
+import re
 import signal
+import socket
+import stat
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from config import RunError, UsageError
+from guards.interrupts import SIGNALS, Interrupted, launcher_gone
 
 LOCK = ".memtrain.lock"  # in out_dir while a run uses it; its pid inside, for the refusal
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+LOCK_TEXT = re.compile(rb"[0-9]{0,7}\n?")  # what a lock of ours holds (nothing yet, just made): any other is the user's
 
 
 # ---------------------------------------------------------------- divergence
@@ -155,41 +160,6 @@ class Guard:
             raise
 
 
-# ---------------------------------------------------------------- Ctrl-C and SIGTERM
-
-class Interrupted(BaseException):
-    """Ctrl-C or SIGTERM, raised where the program is. A BaseException, as KeyboardInterrupt is:
-    no `except Exception` swallows it, and every `finally` on the way out runs (a snapshot being
-    written is abandoned and its temporary file removed). train.run prints it as one line and
-    exits with 128 + the signal's number (130, 143)."""
-
-    def __init__(self, signum):
-        super().__init__(signum)
-        self.signum, self.where = signum, ""
-
-    def line(self):
-        name = "Ctrl-C (SIGINT)" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
-        return f"stopped by {name}" + (f" at {self.where}" if self.where else "")
-
-
-def _raise_interrupted(signum, frame):
-    raise Interrupted(signum)
-
-
-@contextmanager
-def signals_handled(handler=_raise_interrupted):
-    """Inside, SIGINT and SIGTERM call `handler` (by default: raise Interrupted); the previous
-    handlers come back after. handler=signal.SIG_DFL: the signal ends the process at once, for
-    a wait in C that no Python handler can interrupt (init_process_group's rendezvous: torchrun's
-    SIGTERM would otherwise wait there until its 30 s kill) or a rank with nothing to unwind."""
-    previous = {s: signal.signal(s, handler) for s in SIGNALS}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
 # ---------------------------------------------------------------- one run per out_dir
 
 @contextmanager
@@ -197,7 +167,8 @@ def out_dir_lock(folder):
     """Hold out_dir for a run's whole life: an exclusive flock on out_dir/.memtrain.lock, which
     the OS releases when the process ends however it ends (kill -9 leaves no stale lock). A second
     run on the same out_dir is refused in one line. On the way out the lock file is removed, and
-    any folder made for it, if still empty, so a refused or failed start leaves nothing behind."""
+    any folder made for it, if still empty, so a refused or failed start leaves nothing behind. A file
+    of that name that is no lock of ours (LOCK_TEXT) is the user's: refused, never written or removed."""
     folder = Path(folder)
     made = [p for p in [folder, *folder.parents] if not p.exists()]
     try:
@@ -219,10 +190,15 @@ def out_dir_lock(folder):
 
 def _acquire(path, folder):
     while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # O_NOFOLLOW: a link of that name is the user's, never written through
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR):
+                raise _not_ours(path, folder) from None
             raise UsageError(f"--out_dir={folder} cannot be written: {e.strerror or e}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or not LOCK_TEXT.fullmatch(os.pread(fd, 64, 0)):
+            os.close(fd)
+            raise _not_ours(path, folder)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -244,9 +220,69 @@ def _acquire(path, folder):
         os.close(fd)  # its holder removed it as we opened it: lock the file now under that name
 
 
+def _not_ours(path, folder):
+    return UsageError(f"--out_dir={folder}: {path} is not a lock of this program's (one holds a pid, or nothing): "
+                      f"it is left as it is; move it, or choose another --out_dir")
+
+
 def _remove_folders(made):
     for p in made:  # deepest first
         try:
             p.rmdir()
         except OSError:
             pass
+
+
+# ---------------------------------------------------------------- a rank, or its launcher, lost
+
+@contextmanager
+def lost_ranks_named():
+    """Around a torchrun rank's life once its process group forms: a collective that fails because
+    another rank is gone (kill -9, SIGTERM, a crash) ends this one in a line naming it, not in gloo's
+    traceback. Every rank's host and pid are gathered first (a collective: every rank enters)."""
+    table = [None] * dist.get_world_size()
+    dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
+    try:
+        yield
+    except RuntimeError as e:  # gloo's and NCCL's errors (torch.distributed.DistError is one)
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in SIGNALS}  # torchrun's SIGTERM comes next: say it first
+        if line := launcher_gone():  # torchrun itself is gone, and with it every rank: that is the news
+            raise RunError(line) from None
+        gone = _gone(table, e)
+        if gone is None:
+            for s, h in previous.items():
+                signal.signal(s, h)
+            raise
+        raise RunError(f"rank {dist.get_rank()}: {gone} (killed, or it failed: its own line says why); this rank "
+                       f"cannot go on without it and stops; the last snapshot written is kept") from None
+
+
+def _gone(table, error, wait=1.0):
+    """Who is gone, in words, or None: ranks on this host whose process ended (a killed rank closes its
+    sockets a moment before it is seen ended: looked for up to `wait` s), else a lost connection to
+    ranks on other hosts, which this rank cannot look at."""
+    host, me = socket.gethostname(), os.getpid()
+    for _ in range(int(wait / 0.05) + 1):
+        gone = [(r, pid) for r, (h, pid) in enumerate(table) if h == host and pid != me and _ended(pid)]
+        if gone:
+            return ", ".join(f"rank {r} (pid {pid})" for r, pid in gone) + (" is" if len(gone) == 1 else " are") \
+                + " gone"
+        time.sleep(0.05)
+    others = sorted({h for h, _ in table if h != host})
+    return f"lost contact with the ranks on {', '.join(others)}" if others and "onnection" in str(error) else None
+
+
+def _ended(pid):
+    try:  # a zombie (Z) has ended; its parent (torchrun) has not collected it yet
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False

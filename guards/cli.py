@@ -10,8 +10,8 @@ from dataclasses import fields
 import checkpoint
 import precision
 from config import NUMBER, Config, RunError, UsageError, check_keys, validate
-from guards import clean_end
-from guards.preflight import torch_floor_error
+from guards import interrupts
+from guards.preflight import launcher_error, torch_floor_error
 
 
 def _convert(f, text):
@@ -26,6 +26,8 @@ def _convert(f, text):
     if f.type in NUMBER and not NUMBER[f.type].fullmatch(text):
         kind = {int: "int (an integer)", float: "float (a number)"}[f.type]
         raise UsageError(f"--{f.name} expects {kind}, got {text!r}")
+    if f.type is int and len(text) > 4000:  # int() refuses past 4,300 digits; config.check_keys bounds the rest
+        raise UsageError(f"--{f.name} expects an int64, got an integer of {len(text.lstrip('+-'))} digits")
     return f.type(text)
 
 
@@ -97,19 +99,21 @@ def given(argv):
 def run(program, argv):
     """Every program's main: program(argv) -> exit status. Bad input is one line and status 2;
     a run that cannot go on, one line and status 1; Ctrl-C and SIGTERM, one line (the step
-    reached, where the last snapshot is) and 130 or 143. Both signals unwind (clean_end.Interrupted),
+    reached, where the last snapshot is) and 130 or 143. Both signals unwind (interrupts.Interrupted),
     so a file being written atomically is finished or abandoned, never left half-written.
-    A torch older than this code supports is refused first, in the same one line."""
-    if why := torch_floor_error():
+    A torch older than this code supports, and a malformed torchrun environment, are refused first,
+    in the same one line."""
+    if why := torch_floor_error() or launcher_error():
         return say(f"error: {why}", 2)
+    interrupts.watch_launcher()  # under torchrun: its kill -9 must not leave this rank running or waiting
     try:
-        with clean_end.signals_handled():
+        with interrupts.signals_handled():
             return program(argv) or 0
     except UsageError as e:
         return say(f"error: {e}", 2)
     except RunError as e:
         return say(f"error: {e}", 1)
-    except clean_end.Interrupted as e:
+    except interrupts.Interrupted as e:
         return say(e.line(), 128 + e.signum)
 
 
@@ -117,4 +121,5 @@ def say(line, status):
     """The one line on stderr, in one write: torchrun's ranks share the terminal (python -u)."""
     sys.stderr.write(shown(line) + "\n")
     sys.stderr.flush()
+    interrupts.line_written()
     return status

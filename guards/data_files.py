@@ -51,12 +51,28 @@ def text_files(path):
 
 
 def _files_below(folder, path):
-    """The regular files below `folder`; a subfolder that cannot be listed is refused, as an
-    unreadable file is (rglob would skip it without a word)."""
+    """The regular files below `folder`, each once (under the first name a sorted walk meets), each folder
+    walked once: links are followed, so one back up (d/self -> d) is not walked again and again. A
+    subfolder that cannot be listed is refused, as an unreadable file is (rglob would skip it silently)."""
     def refuse(e):
         raise UsageError(f"--data={path}: {e.filename} cannot be read ({e.strerror or e})")
-    for root, _, names in os.walk(folder, onerror=refuse, followlinks=True):
-        yield from (f for f in (Path(root) / n for n in names) if f.is_file())
+    walked, found = set(), {}  # (device, inode) of each folder walked; of each file -> its first name
+    for root, dirs, names in os.walk(folder, onerror=refuse, followlinks=True):
+        here = os.stat(root)
+        if (here.st_dev, here.st_ino) in walked:
+            dirs.clear()  # reached again through a link: its files are listed, its subfolders walked
+            continue
+        walked.add((here.st_dev, here.st_ino))
+        dirs.sort()  # walked in sorted order: the name a file is read under does not depend on the disk's order
+        for f in sorted(Path(root) / n for n in names):
+            if f.is_file():
+                found.setdefault(_identity(f), f)
+    return sorted(found.values())
+
+
+def _identity(file):
+    st = file.stat()
+    return st.st_dev, st.st_ino
 
 
 def file_tokens(path):

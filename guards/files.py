@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 from config import UsageError
+from guards import interrupts
 
 # write_atomically's temporary files: TARGET.partial-memtrain-<pid>
 TEMP = re.compile(r"(.+)\.partial-memtrain-([0-9]{1,7})")
@@ -23,7 +24,7 @@ def write_atomically(path, write):
     path = Path(path)
     tmp = path.with_name(path.name + f".partial-memtrain-{os.getpid()}")  # a name no user file has
     try:
-        with open(tmp, "wb") as fh:
+        with interrupts.raised_through_c(), open(tmp, "wb") as fh:  # a Ctrl-C inside torch.save is no full disk
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())

@@ -4,6 +4,7 @@ Chapter: none; it is why bad input costs nothing. Read first: `preflight` (calle
 train.train on every rank before any process group exists, so a refusal is one line on
 each rank and no rank waits for another), then `resolve_accum`.
 """
+import os
 import re
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from guards import snapshot_fields
 import config
 from config import UsageError
 from data import load_tokens, split_tokens
+from model import GPT, default_linear
 from guards.data_files import host_memory_available
 
 # K micro-step gradients, each 1/K of the step's, add up in FP32 at best (a 24-bit significand):
@@ -41,6 +43,32 @@ def torch_floor_error(version=None):
     return (f"torch {version} is older than this code supports: it needs torch >= "
             f"{'.'.join(map(str, TORCH_FLOOR))} (torch.get_autocast_dtype(device_type)); "
             f"the tested range is in the README")
+
+
+def launcher_error(env=None):
+    """Why torchrun's variables in the environment cannot be a run's, or None; cli.run asks it before
+    anything reads them (int() of 'abc' and a division by LOCAL_WORLD_SIZE=0 were tracebacks)."""
+    env = os.environ if env is None else env
+    counts = {}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        if name in env and not re.fullmatch(r"[0-9]{1,9}", env[name]):
+            return f"{name}={env[name]!r} is not a count: torchrun sets it (start the run with torchrun, or unset it)"
+        if name in env:
+            counts[name] = int(env[name])
+    for size, index in (("WORLD_SIZE", "RANK"), ("LOCAL_WORLD_SIZE", "LOCAL_RANK")):
+        if counts.get(size) == 0:
+            return f"{size}=0: a run has at least one process (torchrun sets it: start the run with torchrun)"
+        if index in counts and size in counts and counts[index] >= counts[size]:
+            return f"{index}={counts[index]} is not below {size}={counts[size]}: torchrun numbers its " \
+                   f"processes from 0 (start the run with torchrun)"
+    unset = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in env]
+    if "RANK" in env and unset:  # init_process_group reads all four
+        return f"RANK is set but {', '.join(unset)} {'is' if len(unset) == 1 else 'are'} not: torchrun sets them " \
+               f"all (start the run with torchrun, or unset RANK)"
+    if "WORLD_SIZE" in env and "RANK" not in env:
+        return "WORLD_SIZE is set but RANK is not: torchrun sets both (start the run with torchrun, or unset " \
+               "WORLD_SIZE)"
+    return None
 
 
 def preflight(cfg, device, rank, held):
@@ -69,13 +97,19 @@ def preflight(cfg, device, rank, held):
         snap = snapshot.read(path)
         check_saved_policy(snap, path)
         snapshot_fields.check_same_model(snap, cfg, precision.recipe(cfg).fp8 is not None, path)
-        hysteresis = precision.recipe(snapshot_fields.saved_config(snap)).hysteresis  # the scaler it was saved by
-        if (left := snap["scaler"]["overflows_left"]) > hysteresis:
-            raise UsageError(f"snapshot {path} is not usable: the loss scaler tolerates {left} more overflows, "
-                             f"its config's hysteresis only {hysteresis}")
+        snapshot_fields.check_model_state(snap, meta_model(cfg), path)
     if rank == 0:  # what a killed run of ours left in out_dir goes
         files.remove_stale_temps(cfg.out_dir, (snapshot.FILE, files.PROBE, ledger_run.MEMORY_HISTORY))
     return snap, *tokens
+
+
+def meta_model(cfg):
+    """The model cfg's run builds, on the meta device (no memory, no values): the names, dtypes and shapes
+    of what its snapshot holds. Transformer Engine's Linears hold a weight and a bias as nn.Linear does."""
+    recipe = precision.recipe(cfg)
+    te = recipe.fp8 is not None and recipe.fp8.backend == "te"
+    with torch.device("meta"):
+        return GPT(cfg, linear_factory=default_linear if te else recipe.linear_factory()).to(recipe.param_dtype)
 
 
 def scaler_asked_anew(cfg, snap):

@@ -15,7 +15,9 @@ import math
 import torch
 
 import precision
-from config import FP32_MAX, Config, UsageError, validate as validate_config
+from backends.fp8_gemm import E4M3, E5M2, fp8_max
+from config import FP32_MAX, INT64_MAX, Config, UsageError, validate as validate_config
+from fp8 import FP8Linear, scale_from_amax
 
 # the keys that must agree between a snapshot and the run that resumes from (or samples) it
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "precision")
@@ -40,10 +42,13 @@ def validate(state, path):
     cfg = _check_config(state["config"], need)
     for name, t in state["model"].items():
         need(torch.is_tensor(t) or name.endswith("_extra_state"), f"model entry {name} is not a tensor")
+        need(not torch.is_tensor(t) or _dense(t),
+             f"model entry {name} is a sparse tensor ({t.layout if torch.is_tensor(t) else ''}), a snapshot holds "
+             f"dense ones")
         need(not torch.is_tensor(t) or not t.is_floating_point() or bool(torch.isfinite(t).all()),
              f"model entry {name} holds inf or NaN")
     masters = state["optimizer"].get("master_params")
-    need(isinstance(masters, list) and all(torch.is_tensor(m) and m.dtype == torch.float32 for m in masters),
+    need(isinstance(masters, list) and all(_dense(m) and m.dtype == torch.float32 for m in masters),
          "no list of FP32 master_params")
     need(all(bool(torch.isfinite(m).all()) for m in masters), "a master weight holds inf or NaN")
     try:
@@ -57,11 +62,12 @@ def validate(state, path):
     need(_number(scaler["loss_scale"]) and 1 / FP32_MAX <= scaler["loss_scale"] <= FP32_MAX,
          f"the loss scale {scaler['loss_scale']!r} is not a positive number within FP32's range")
     for name in SCALER_KEYS[1:]:
-        need(type(scaler[name]) is int and scaler[name] >= 0, f"the loss scaler's {name}={scaler[name]!r} is not "
-                                                              f"a count")
+        need(type(scaler[name]) is int and 0 <= scaler[name] <= INT64_MAX,
+             f"the loss scaler's {name}={scaler[name]!r} is not a count")
+    _check_scaler(scaler, cfg, state["step"], need)
     size = torch.get_rng_state().numel()  # a CPU generator's state, the batch stream's too
     def generator_state(t):
-        return torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1
+        return _dense(t) and t.dtype == torch.uint8 and t.dim() == 1
     need(state["rng"] and all(isinstance(r, dict) and {"cpu", "batch"} <= set(r) <= {"cpu", "batch", "cuda"}
                               and all(generator_state(t) for t in r.values())
                               and r["cpu"].numel() == r["batch"].numel() == size for r in state["rng"]),
@@ -72,10 +78,35 @@ def _number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _dense(t):
+    return torch.is_tensor(t) and t.layout == torch.strided
+
+
+def _check_scaler(scaler, cfg, step, need):
+    """The loss scaler's state is one its config's scaler writes (precision.LossScaler): a static scale
+    (or none: 1) never moves nor counts clean steps; a dynamic one is 2^16 halved and doubled."""
+    fresh_scaler = precision.recipe(cfg).loss_scaler()
+    if fresh_scaler.mode == "dynamic":
+        need(math.frexp(scaler["loss_scale"])[0] == 0.5 and scaler["clean_steps"] < fresh_scaler.growth_interval,
+             f"the loss scaler's state is not what a dynamic scaler writes: loss_scale={scaler['loss_scale']!r} "
+             f"(a power of two), clean_steps={scaler['clean_steps']} (below {fresh_scaler.growth_interval})")
+    else:
+        need(scaler["loss_scale"] == fresh_scaler.loss_scale and scaler["clean_steps"] == 0,
+             f"the loss scaler's state is not what its config's loss scaling ({fresh_scaler.mode}) writes: "
+             f"loss_scale={scaler['loss_scale']!r}, clean_steps={scaler['clean_steps']} (it writes "
+             f"{fresh_scaler.loss_scale:g} and 0)")
+    need(scaler["overflows_left"] <= fresh_scaler.hysteresis,
+         f"the loss scaler tolerates {scaler['overflows_left']} more overflows, its config's hysteresis only "
+         f"{fresh_scaler.hysteresis}")
+    need(scaler["skipped_steps"] <= step,
+         f"the loss scaler's skipped_steps={scaler['skipped_steps']} is more than the {step} steps taken")
+
+
 def _check_config(saved, need):
     """The saved config as a Config, checked by the command line's own rules."""
-    need(all(k in saved for k in SHAPE_KEYS), "its config lacks the model's shape")
     kinds = {f.name: f.type for f in dataclasses.fields(Config)}
+    missing = sorted(set(kinds) - set(saved))  # defaults would stand in silently (the schedule's end, say)
+    need(not missing, f"its config lacks {', '.join(missing)}: a snapshot's config holds every key")
     for name, value in saved.items():
         kind = kinds.get(name)
         fits = kind is not None and isinstance(value, (int, float) if kind is float else kind) and \
@@ -114,14 +145,14 @@ def _check_optimizer(saved, spec, step, need):
              f"{who} state {pid!r} is not a parameter's {', '.join(keys)}")
         for name in spec.per_tensor:
             count = entry[name]
-            count = count.item() if torch.is_tensor(count) and count.numel() == 1 and count.is_floating_point() \
-                else count
+            count = count.item() if _dense(count) and count.numel() == 1 and count.is_floating_point() else count
             need(_number(count) and count == int(count) and 0 <= count <= step,
                  f"{who} state {pid}: {name}={entry[name]!r} is not a whole number in [0, {step}]")
         for name in spec.per_element:
             t = entry[name]
-            need(torch.is_tensor(t) and t.is_floating_point() and bool(torch.isfinite(t).all()),
-                 f"{who} state {pid}: {name} is not a finite float tensor")
+            # the optimizer steps the FP32 master weights (fp32: the FP32 parameters)
+            need(_dense(t) and t.dtype == torch.float32, f"{who} state {pid}: {name} is not a dense FP32 tensor")
+            need(bool(torch.isfinite(t).all()), f"{who} state {pid}: {name} is not a finite float tensor")
             need(name not in spec.nonnegative or bool((t >= 0).all()), f"{who} state {pid}: {name} is negative")
 
 
@@ -146,6 +177,31 @@ def check_same_model(state, cfg, fp8, path):
         raise UsageError(f"--resume: the snapshot's learning rate decays until step {then}, this run's until "
                          f"max_iters={cfg.max_iters}; pass --lr_decay_iters={then} to keep the schedule "
                          f"(or another value to change it)")
+
+
+def check_model_state(state, model, path):
+    """Raise UsageError unless every model tensor of the snapshot is what `model` (this run's, or its copy
+    on the meta device) holds, in dtype and shape (load_state_dict would cast another dtype silently), and
+    each FP8 Linear's scales are what its amax history gives (what FP8Linear.fold_amax writes)."""
+    own = model.state_dict()
+    for name, t in state["model"].items():
+        if torch.is_tensor(own.get(name)) and (t.dtype, t.shape) != (own[name].dtype, own[name].shape):
+            what = f"of shape {tuple(t.shape)}" if t.dtype == own[name].dtype else f"a {t.dtype} tensor"
+            raise UsageError(f"snapshot {path} is not usable: model entry {name} is {what}, this run writes "
+                             f"{own[name].dtype if t.dtype != own[name].dtype else tuple(own[name].shape)}")
+    maxima = torch.tensor([fp8_max(E4M3), fp8_max(E4M3), fp8_max(E5M2)])  # FP8Linear.fp8_max's columns
+    settings = precision.recipe(saved_config(state)).fp8  # the scales were written with the snapshot's margin
+    for prefix, layer in model.named_modules():
+        history, scale = (state["model"].get(f"{prefix}.{k}") for k in ("amax_history", "scale"))
+        if not isinstance(layer, FP8Linear) or history is None or scale is None:
+            continue
+        if not bool((history >= 0).all()):
+            raise UsageError(f"snapshot {path} is not usable: model entry {prefix}.amax_history holds a negative "
+                             f"amax (an amax is a largest absolute value)")
+        expected = scale_from_amax(history.amax(0), maxima, settings.margin)
+        if not torch.allclose(scale, expected, rtol=1e-6, atol=0):
+            raise UsageError(f"snapshot {path} is not usable: model entry {prefix}.scale is {scale.tolist()}, its "
+                             f"amax history gives {expected.tolist()} (fp8_max / amax / 2**fp8_margin)")
 
 
 def check_optimizer_fits(saved, live, spec):

@@ -86,6 +86,10 @@ def nested(*keys, value):
     return change
 
 
+def model_entry(name, value):
+    return nested("model", name, value=value)
+
+
 def in_config(**entries):
     return lambda state: {**state, "config": {**state["config"], **entries}}
 
@@ -143,6 +147,14 @@ CASES = [
     # a value (or a name) with a newline is echoed escaped: still one line
     (["--precision=fp\n16"], "--precision=fp\\n16 is not one of", None),
     (["--bogus\nerror: forged=1"], "unknown flag --bogus\\nerror: forged", None),
+    # integers of hundreds of digits (an OverflowError in float arithmetic): every int key holds an int64,
+    # and one past Python's 4,300-digit limit on int() is refused before int() is asked
+    *[([f"--{key}={'9' * 300}"], f"--{key} must be <= 9223372036854775807", None)
+      for key in ("n_layer", "block_size", "vocab_size", "batch_size", "warmup_iters")],
+    ([f"--n_layer={'9' * 5000}"], "--n_layer expects an int64, got an integer of 5000 digits", None),
+    # AdamW's first step moves by lr / (1 - beta1): at FP32's largest lr that is no FP32 number
+    (["--learning_rate=3.4028234663852886e38"], "AdamW's first step moves by lr / (1 - beta1) = 3.40282e+39", None),
+    (["--min_lr=1e38", "--beta1=0.99"], "--min_lr=1e+38 is too large", None),
 ]
 
 # inputs that only train.py takes: snapshots to resume, --data and --out_dir names, K
@@ -174,6 +186,8 @@ TRAIN_CASES = [
         (dict(block_size=-1), "its config: --block_size must be >= 1, got -1"),
         (dict(attn="flash"), "its config: --attn=flash is not one of manual|sdpa"),
         (dict(precision="fp64"), "its config: --precision=fp64 is not one of"),
+        (dict(warmup_iters=10 ** 300), "its config: --warmup_iters must be <= 9223372036854775807"),
+        (dict(n_layer=10 ** 300), "its config: --n_layer must be <= 9223372036854775807, got an integer of 301 digits"),
     ]],
     # a raw pickle (no code runs) and no torch warning before the one line
     (["--resume"], "cannot read snapshot", lambda state: pickle.dumps({"step": 1})),
@@ -187,6 +201,26 @@ TRAIN_CASES = [
     (["--accum=16000000", "--loss_norm=tokens", "--batch_size=100"], "GiB at once, more than half the", None),
     # --sample_only reads the model from the snapshot: the training flags are refused, named
     (["--sample_only", "--n_layer=2"], "--n_layer would be ignored; only --device, --out_dir, --sample_tokens", None),
+    # the model's tensors, against what this run writes: dtype (copy_ would cast them silently), layout
+    # (a sparse tensor was a dispatcher traceback), and the optimizer's moments alike
+    *[(flags, f"model entry wte.weight is a {dtype} tensor, this run writes torch.bfloat16",
+       model_entry("wte.weight", lambda t, d=dtype: (t * 3).to(d)))
+      for dtype in (torch.int64, torch.uint8, torch.bool, torch.complex64)
+      for flags in (["--resume"], ["--sample_only"])],
+    *[(flags, "model entry wte.weight is a sparse tensor (torch.sparse_coo), a snapshot holds dense ones",
+       model_entry("wte.weight", lambda t: t.to_sparse())) for flags in (["--resume"], ["--sample_only"])],
+    (["--resume"], "AdamW state 0: exp_avg is not a dense FP32 tensor", moment(0, "exp_avg", lambda t: t.to_sparse())),
+    (["--resume"], "AdamW state 0: exp_avg is not a dense FP32 tensor", moment(0, "exp_avg", lambda t: t.bfloat16())),
+    # the config holds every key (the learning rate's schedule too), the loss scaler what its config's writes
+    (["--resume"], "its config lacks lr_decay_iters, max_iters, warmup_iters", lambda st: {**st, "config": {
+        k: v for k, v in st["config"].items() if k not in ("max_iters", "lr_decay_iters", "warmup_iters")}}),
+    (["--resume"], "is not what its config's loss scaling (none) writes: loss_scale=1024.0",
+     nested("scaler", "loss_scale", value=1024.0)),
+    (["--resume"], "clean_steps=5", nested("scaler", "clean_steps", value=5)),
+    (["--resume"], "skipped_steps=3 is more than the 2 steps taken", nested("scaler", "skipped_steps", value=3)),
+    # finite weights whose logits overflow: torch.multinomial's RuntimeError was the traceback of `make sample`
+    (["--sample_only"], "is not usable: no sample: the weights give inf or NaN probabilities",
+     lambda st: {**st, "model": {k: v * 1e30 if v.is_floating_point() else v for k, v in st["model"].items()}}),
 ]
 
 
@@ -243,6 +277,52 @@ def refused_as_given(program, flags, words, damage, out_dir, capsys):
     ends_in_one_line(code, err, 2, words)
     assert err.startswith("error: "), err
     assert listing(out_dir) == before, "out_dir changed: something new in it, or the snapshot rewritten"
+
+
+def fp8_buffer(suffix, value):
+    """Set the first element of the first FP8 Linear's buffer named `suffix` (scale, amax_history)."""
+    def change(state):
+        name = next(k for k in state["model"] if k.endswith(f".{suffix}"))
+        state["model"][name] = state["model"][name].clone()
+        state["model"][name].view(-1)[0] = value
+        return state
+    return change
+
+
+# FP8's scales and amax, against what its amax history gives (a run with them went on and wrote a snapshot)
+FP8_CASES = [
+    (["--resume"], "scale is [-2.0, ", fp8_buffer("scale", -2.0)),
+    (["--resume"], "scale is [3.0000000054977558e+38, ", fp8_buffer("scale", 3e38)),
+    (["--sample_only"], "scale is [3.0000000054977558e+38, ", fp8_buffer("scale", 3e38)),
+    (["--resume"], "amax_history holds a negative amax", fp8_buffer("amax_history", -5.0)),
+    (["--resume"], "amax_history is a torch.bfloat16 tensor, this run writes torch.float32",
+     lambda st: fp8_buffer("amax_history", 1.0)(st) and {**st, "model": {
+         k: v.bfloat16() if k.endswith("amax_history") else v for k, v in st["model"].items()}}),
+]
+
+
+@pytest.fixture(scope="session")
+def good_fp8_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("good_fp8")
+    assert train.main(merged(*TINY, f"--out_dir={out}", "--precision=fp8")) == 0
+    return out
+
+
+@pytest.mark.parametrize("flags,words,damage", FP8_CASES, ids=case_ids(FP8_CASES))
+def test_bad_fp8_state_leaves_everything_alone(flags, words, damage, good_fp8_run, tmp_path, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(good_fp8_run, out)
+    refused_as_given("train.py", flags + (["--precision=fp8"] if "--resume" in flags else []), words, damage, out,
+                     capsys)
+
+
+@pytest.mark.parametrize("flags", [["--resume"], ["--sample_only"]])
+def test_a_folder_where_the_snapshot_goes_is_refused(flags, tmp_path, capsys):
+    (tmp_path / snapshot.FILE).mkdir()
+    argv = merged(*TINY, f"--out_dir={tmp_path}", *flags) if "--resume" in flags else [f"--out_dir={tmp_path}", *flags]
+    code, err = run_main(train.main, argv, capsys)
+    ends_in_one_line(code, err, 2, "is not a regular file (a pipe, a device or a folder)")
+    assert [p.name for p in tmp_path.iterdir()] == [snapshot.FILE], "out_dir changed"
 
 
 @pytest.mark.parametrize("where", ["a file", "below a file", "under /proc"])

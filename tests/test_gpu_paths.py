@@ -140,6 +140,8 @@ def test_more_ranks_than_gpus_is_refused_in_one_line(tmp_path, capsys, monkeypat
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")  # torchrun sets these too (cli.run refuses RANK without them)
+    monkeypatch.setenv("MASTER_PORT", "29500")
     rc = train.main([*TINY, f"--out_dir={tmp_path / 'out'}"])
     err = capsys.readouterr().err
     assert rc == 2 and one_error_line(err), err
