@@ -95,8 +95,10 @@ def run_ranks(jobs):
         (folder / "jobs.json").write_text(json.dumps([dict(flags=flags, shards=shards) for flags, shards in jobs]))
         procs, ended = [], set()
         for rank in range(RANKS):
+            # one thread per rank: RANKS processes share the cores. torchrun's whole set of variables, as
+            # guards/preflight.launcher_error asks of a rank; MASTER_* go unused: the ranks meet through a file
             env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(RANKS),
-                       LOCAL_WORLD_SIZE=str(RANKS))  # one thread per rank: RANKS processes share the cores
+                       LOCAL_WORLD_SIZE=str(RANKS), MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
             with open(folder / f"rank{rank}.log", "w") as log:
                 procs.append(subprocess.Popen([sys.executable, __file__, f"--jobs={folder / 'jobs.json'}",
                                                f"--into={folder}"], stdout=log, stderr=subprocess.STDOUT, env=env))
