@@ -33,9 +33,10 @@ import zero
 from config import UsageError
 from data import Batches
 from guards import clean_end, cli, snapshot_fields
+from guards.compiling import eagerly
 from guards.preflight import check_saved_policy, preflight, resolve_accum, scaler_asked_anew
 from ledger import run as ledger_run
-from model import GPT
+from model import GPT, run_directly
 
 def pick_device(cfg, local_rank=0):
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
@@ -63,6 +64,8 @@ def build(cfg, device=None):
         checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts,
                                 recompute_fn=checkpoint.IMPLEMENTATIONS[cfg.ckpt_impl],
                                 stop_early=checkpoint.rerun_stops_early(cfg, recipe))
+        if cfg.compile:
+            compile_blocks(model)  # before FSDP and DDP wrap the model, as PyTorch documents
         if sharded:
             fsdp.apply_fsdp(model, recipe)
         optimizer = make_optimizer(cfg, model, recipe)
@@ -73,6 +76,16 @@ def build(cfg, device=None):
     parts = accumulate.StepParts(recipe=recipe, scaler=recipe.loss_scaler(), optimizer=optimizer,
                                  grad_buffers=buffers, fp8_layers=fp8.layers(model))
     return model, parts
+
+
+def compile_blocks(model):
+    """COMPILE: each block compiled on its own, in place (its state_dict keys stay); the policy's units
+    run compiled blocks (torchtitan's order). An attention core the policy recomputes stays out of the
+    graph: our recompute's hooks traced inside it give its backward wrong tensors (docs/compile.md)."""
+    for block in model.h:
+        if block.attn.core_runner is not run_directly:
+            block.attn.core_runner = torch.compiler.disable(block.attn.core_runner)
+        block.compile()
 
 
 def make_optimizer(cfg, model, recipe):
@@ -101,6 +114,7 @@ def lr_at(cfg, it):
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
+@eagerly  # COMPILE compiles the training step only (guards/compiling.py)
 @torch.no_grad()
 def estimate_loss(model, batches, iters, recipe):
     model.eval()
@@ -217,6 +231,7 @@ def resume(cfg, snap, model, parts, batches, rank, world_size, device, log):
     return step
 
 
+@eagerly
 @torch.no_grad()
 def sample(model, device, n_tokens, prompt=b"def "):
     """A short sample from the model, decoded as bytes (with its RNG state put back after)."""

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from config import RunError, UsageError
+from guards.compiling import eagerly
 
 LOCK = ".memtrain.lock"  # in out_dir while a run uses it; its pid inside, for the refusal
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -98,6 +99,7 @@ class Divergence:
         raise RunError(f"{why}; stopping without writing a snapshot, {note}")
 
 
+@eagerly
 @torch.no_grad()
 def probe_loss(model, batch):
     """The loss of the current weights on a fixed batch, in eval mode (no dropout, no FP8 amax
