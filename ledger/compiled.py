@@ -13,6 +13,9 @@ own allocation events (torch.profiler, profile_memory), which see the buffers a 
 allocates; on CUDA the caching allocator's counters, as always. The states (parameters,
 gradients, master, AdamW) are measure.measure's: compiling a block does not change them.
 """
+import os
+from contextlib import contextmanager
+
 import torch
 
 import accumulate
@@ -64,7 +67,8 @@ class Allocations:
 
     def __enter__(self):
         self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        self.profile.__enter__()
+        with _quiet():
+            self.profile.__enter__()
         return self
 
     @staticmethod
@@ -73,7 +77,8 @@ class Allocations:
             pass
 
     def __exit__(self, *exc):
-        self.profile.__exit__(*exc)
+        with _quiet():
+            self.profile.__exit__(*exc)
         if exc[0] is not None:
             return False
         cpu = torch.autograd.DeviceType.CPU
@@ -88,6 +93,19 @@ class Allocations:
             if live > self.peak:
                 self.peak, self.peak_phase = live, phase
         return False
+
+
+@contextmanager
+def _quiet():
+    """Kineto says "profiler_start" and "profiler_stop" on fd 2 whatever KINETO_LOG_LEVEL asks: not here."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def measure(model, parts, batch, device):
