@@ -15,6 +15,8 @@ keeps its intermediates in FP32 and rounds once at its output where eager BF16 r
 op (BF16: about one BF16 ulp, 2^-8, per kernel). Compiled against compiled (full recompute against
 none) is the same kernels on the same inputs: bit for bit.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -30,9 +32,17 @@ from ledger import measure
 SHAPE = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=2, device="cpu", max_iters=3,
              warmup_iters=0, learning_rate=3e-3)
 STEPS = 3
-# gradients: the relative error of each parameter's gradient, ||compiled - eager|| / ||eager||, after
-# STEPS optimizer steps (the weights have moved apart by as much as the steps let the differences grow)
-TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+# Gradients are compared at the seeded initial weights, the same for every run of a shape and precision.
+# FP32: each parameter's gradient within 1e-5 of eager's, relative to its norm (measured: 5e-7 at most,
+# LayerNorm's weight, whose gradient sums the most products). BF16: eager's own BF16 gradients are 2e-2
+# off an FP32 computation on the same weights (measured), so compiled is held to the FP32 reference
+# instead: within twice eager BF16's distance from it, per parameter (measured: 1.32 times at most).
+GRAD_TOLERANCE = {"fp32": 1e-5, "bf16": 2.0}
+# Losses over the steps move apart more than the gradients: AdamW's first update is +-lr whatever a
+# gradient's size, so an element whose gradient is rounding noise (the key's bias: softmax ignores a
+# constant added to a row of scores, so that gradient is 0 but for rounding) moves by lr with the
+# noise's sign. Measured: 1.4e-4 relative at step 2 (FP32, sdpa).
+LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 1e-2}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,31 +84,56 @@ def compiled_nodes(loss):
     return found
 
 
+def gradients(model, batch):
+    loss = model(*batch)[1]
+    regions = compiled_nodes(loss)
+    loss.backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    return grads, regions
+
+
 def train_steps(cfg, monkeypatch):
-    """STEPS optimizer steps, then one more forward and backward: (losses, {name: gradient}, compiled
-    regions in that last graph, recompute re-runs over the whole run)."""
+    """From the seeded initial weights, one forward and backward, then STEPS optimizer steps: (gradients
+    {name: FP32} of the first, compiled regions in its graph, the steps' losses, recompute re-runs in all)."""
     reruns = []
     rerun = checkpoint.Unit.rerun
     monkeypatch.setattr(checkpoint.Unit, "rerun", lambda unit, saved: (reruns.append(1), rerun(unit, saved))[1])
     model, parts = train.build(cfg, torch.device("cpu"))
+    first, *steps = batches(STEPS + 1)
+    grads, regions = gradients(model, first)
     torch.manual_seed(7)  # dropout's stream
-    *steps, last = batches(STEPS + 1)
     losses = [accumulate.accumulation_step(model, parts, [b])[0] for b in steps]
-    loss = model(*last)[1]
-    regions = compiled_nodes(loss)
-    loss.backward()
     monkeypatch.undo()
-    return losses, {n: p.grad.float() for n, p in model.named_parameters()}, regions, len(reruns)
+    return grads, regions, losses, len(reruns)
+
+
+def fp32_reference(cfg):
+    """The gradients of cfg's initial weights computed in FP32, eagerly: BF16's yardstick."""
+    weights = train.build(cfg, torch.device("cpu"))[0].state_dict()
+    model, _ = train.build(replace(cfg, precision="fp32", compile=False), torch.device("cpu"))
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
+    return gradients(model, batches(1)[0])[0]
 
 
 def assert_close(cfg, compiled, eager):
-    tol = TOLERANCE[cfg.precision]
-    for i, (c, e) in enumerate(zip(compiled[0], eager[0])):
-        assert abs(c - e) <= tol * abs(e), f"step {i + 1}: loss compiled {c:.6f}, eager {e:.6f}"
-    for name, e in eager[1].items():
-        err = ((compiled[1][name] - e).norm() / e.norm().clamp_min(1e-30)).item()
-        assert err <= tol, (f"{name}'s gradient after {STEPS} steps: compiled differs from eager by {err:.2e} of its "
-                            f"norm ({e.norm():.4g}), more than {tol:g} ({cfg.precision}, ckpt={cfg.ckpt})")
+    rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()  # noqa: E731
+    reference = fp32_reference(cfg) if cfg.precision == "bf16" else None
+    for name, e in eager[0].items():
+        c = compiled[0][name]
+        if reference is None:
+            assert rel(c, e) <= GRAD_TOLERANCE["fp32"], \
+                f"{name}'s gradient: compiled differs from eager by {rel(c, e):.2e} of its norm ({e.norm():.4g}), " \
+                f"more than {GRAD_TOLERANCE['fp32']:g} (fp32, ckpt={cfg.ckpt})"
+        else:
+            off_c, off_e = rel(c, reference[name]), rel(e, reference[name])
+            assert off_c <= GRAD_TOLERANCE["bf16"] * off_e + 1e-3, \
+                f"{name}'s gradient: compiled BF16 is {off_c:.2e} of its norm off the FP32 computation, eager BF16 " \
+                f"{off_e:.2e}: more than {GRAD_TOLERANCE['bf16']:g} times eager's (ckpt={cfg.ckpt})"
+    tol = LOSS_TOLERANCE[cfg.precision]
+    for i, (c, e) in enumerate(zip(compiled[2], eager[2])):
+        assert abs(c - e) <= tol * abs(e), f"step {i + 1}: loss compiled {c:.6f}, eager {e:.6f}, more than {tol:g} apart"
 
 
 def check_against_eager(monkeypatch, **over):
@@ -107,13 +142,12 @@ def check_against_eager(monkeypatch, **over):
     compiled = train_steps(config(compile=True, **over), monkeypatch)
     # one compiled region per block; selective's eager core splits a block's graph in pieces around it
     split = cfg.ckpt == "selective"
-    assert (compiled[2] > cfg.n_layer if split else compiled[2] == cfg.n_layer) and eager[2] == 0, \
-        f"compiled regions in the last step's graph: {compiled[2]} for {cfg.n_layer} blocks, eager {eager[2]}"
-    units = {"none": 0, "full": cfg.n_layer, "selective": cfg.n_layer}[cfg.ckpt] * (STEPS + 1)  # STEPS + the last
+    assert (compiled[1] > cfg.n_layer if split else compiled[1] == cfg.n_layer) and eager[1] == 0, \
+        f"compiled regions in the first step's graph: {compiled[1]} for {cfg.n_layer} blocks, eager {eager[1]}"
+    units = {"none": 0, "full": cfg.n_layer, "selective": cfg.n_layer}[cfg.ckpt] * (STEPS + 1)  # and the first
     assert compiled[3] == eager[3] == units, \
         f"recompute re-runs in {STEPS + 1} backward passes: compiled {compiled[3]}, eager {eager[3]}, expected {units}"
     assert_close(cfg, compiled, eager)
-    return compiled, eager
 
 
 @pytest.mark.parametrize("ckpt", ["none", "full", "selective"])
@@ -128,12 +162,18 @@ def test_compiled_blocks_train_as_eager_bf16(monkeypatch, ckpt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("over", [dict(attn="sdpa", ckpt="full"), dict(ckpt="full", ckpt_impl="naive")],
-                         ids=["sdpa-full", "naive-full"])
-def test_compiled_blocks_train_as_eager_elsewhere(monkeypatch, over):
-    cfg = config(precision="fp32", **over)
-    compiled, eager = train_steps(config(compile=True, **over), monkeypatch), train_steps(cfg, monkeypatch)
-    assert compiled[2] >= cfg.n_layer, f"compiled regions in the last step's graph: {compiled[2]}"
+def test_compiled_blocks_train_as_eager_with_sdpa(monkeypatch):
+    check_against_eager(monkeypatch, precision="fp32", attn="sdpa", ckpt="full")
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_the_naive_recompute(monkeypatch):
+    # NaiveRecompute runs a unit's forward under no_grad (an inference graph of its own: no node in the
+    # outer graph) and its backward re-runs the unit with grad (the training graph)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    cfg = config(precision="fp32", ckpt="full", ckpt_impl="naive")
+    eager, compiled = train_steps(cfg, monkeypatch), train_steps(replace(cfg, compile=True), monkeypatch)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= graphs + 2, "no graphs compiled for the naive run"
     assert_close(cfg, compiled, eager)
 
 
@@ -143,11 +183,11 @@ def test_the_rerun_draws_the_forwards_dropout_masks_under_compile(monkeypatch):
     none = train_steps(config(precision="fp32", dropout=0.1, compile=True), monkeypatch)
     full = train_steps(config(precision="fp32", dropout=0.1, compile=True, ckpt="full"), monkeypatch)
     assert full[3] == SHAPE["n_layer"] * (STEPS + 1), f"re-runs: {full[3]}"
-    assert full[0] == none[0], f"losses with full recompute {full[0]}, without {none[0]}"
-    for name, g in none[1].items():
-        assert torch.equal(full[1][name], g), \
+    assert full[2] == none[2], f"losses with full recompute {full[2]}, without {none[2]}"
+    for name, g in none[0].items():
+        assert torch.equal(full[0][name], g), \
             f"{name}: compiled full recompute's gradient differs from compiled no-recompute's by " \
-            f"{(full[1][name] - g).abs().max():.3g} (the re-run's dropout masks are not the forward's)"
+            f"{(full[0][name] - g).abs().max():.3g} (the re-run's dropout masks are not the forward's)"
 
 
 def test_full_recompute_under_compile_keeps_only_the_blocks_inputs():
