@@ -57,12 +57,12 @@ class Report:
         """step: 0-based, just done."""
         cfg, master, first = self.cfg, self.master, step == self.start_step
         self.tokens_since += self.tokens_per_step
+        if first and cfg.compile:  # its own line: compiling is not training speed
+            self.compiled_line(step, loss)
         if master and first and cfg.ledger:
             self.log(ledger_line(cfg, self.device))
         if first and cfg.shard != "none" and (line := states_line(cfg, self.model, self.parts, self.world_size)):
             self.log(line)  # every rank measured its share; rank 0 says it
-        if first and cfg.compile:  # its own line: compiling is not training speed
-            self.compiled_line(step, loss)
         if master and cfg.memory_snapshot and step + 1 == min(self.start_step + HISTORY_STEPS, cfg.max_iters):
             path = Path(cfg.out_dir) / MEMORY_HISTORY
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -75,6 +75,8 @@ class Report:
     def compiled_line(self, step, loss):
         """COMPILE: the first step compiles the blocks (train.compile_blocks) as it runs; its time is
         said on a line of its own, and tokens/s, MFU and ms/step count from the step after it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         took = time.perf_counter() - self.t_last
         if self.master:
             self.log(f"step {step + 1:5d} | loss {loss:.4f} | {took:7.1f} s: torch.compile compiled {self.cfg.n_layer} "
