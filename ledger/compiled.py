@@ -130,13 +130,18 @@ def measure(model, parts, batch, device):
             out["activations"] = out["saved"] = saved.total
             out["saved_tensors"] = dict(saved.found)
             eager.saving_nodes(losses[-1], out["saved_tensors"])
-        tracker.start_phase(name) if cuda else tracker.mark(name)
+        if cuda:
+            tracker.start_phase(name)
+        else:
+            tracker.mark(name)
 
     try:
         with tracker, saved, eager.phases(model, parts, observe):
             if cuda:
                 tracker.reset_peak()
             accumulate.accumulation_step(model, parts, [batch])
+            if cuda:
+                tracker.read()  # the last phase's high-water mark, folded in
     finally:
         hook.remove()
         where.remove()

@@ -47,16 +47,19 @@ LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 1e-2}
 
 @pytest.fixture(scope="module", autouse=True)
 def compiler():
-    """One thread, no pool of compile workers (it costs more than it saves for these few kernels), and
-    dynamo's caches emptied before and after this file: its graphs serve its tests only."""
-    saved = torch.get_num_threads(), torch._inductor.config.compile_threads
+    """One thread, no pool of compile workers (it costs more than it saves for these few kernels), room
+    for every config here to keep its graph (past dynamo's recompile limit, 8 by default, a block would
+    run eagerly: the tests would see no compiled region and fail), and dynamo's caches emptied before and
+    after this file: its graphs serve its tests only."""
+    saved = torch.get_num_threads(), torch._inductor.config.compile_threads, torch._dynamo.config.recompile_limit
     torch.set_num_threads(1)
     torch._inductor.config.compile_threads = 1
+    torch._dynamo.config.recompile_limit = 32
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
     torch.set_num_threads(saved[0])
-    torch._inductor.config.compile_threads = saved[1]
+    torch._inductor.config.compile_threads, torch._dynamo.config.recompile_limit = saved[1:]
 
 
 def config(**over):
