@@ -38,10 +38,11 @@ class Report:
         self.start_step, self.log, self.master = start_step, log, rank == 0
         seqs, self.tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
         self.flops_per_token = model.flops_per_token()
-        # a compiled block saves its tensors at its end, so its re-run runs it whole: no early stop to count
-        stop_early = checkpoint.rerun_stops_early(cfg, parts.recipe) and not cfg.compile
+        # a compiled block saves its tensors at its end, so a unit of blocks re-runs whole (a core stays eager)
+        policy = checkpoint.policy(cfg)
+        stop_early = checkpoint.rerun_stops_early(cfg, parts.recipe) and not (cfg.compile and policy.block_units(1))
         self.hw_flops_per_token = self.flops_per_token + checkpoint.recompute_flops_per_token(
-            model, checkpoint.policy(cfg), stop_early=stop_early)
+            model, policy, stop_early=stop_early)
         self.peak = flops.peak_flops(cfg, parts.recipe, device)
         if self.master:
             log(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
