@@ -249,3 +249,25 @@ def test_what_cannot_compile_is_refused_in_one_line(monkeypatch):
     assert "needs a C++ compiler" in compiling.compile_error(torch.device("cpu"))
     monkeypatch.setattr(torch, "__version__", "2.5.1")
     assert "needs torch >= 2.6" in compiling.compile_error(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("ckpt", ["full", "selective"])
+def test_hfu_counts_what_a_compiled_rerun_runs(ckpt):
+    # a compiled block saves its tensors at the end of its forward, so our re-run's early stop skips nothing
+    # inside it (HFU counts the whole block again); a recomputed core stays eager and still stops early
+    from ledger.run import Report
+    reports = {}
+    for compiled in (False, True):
+        cfg = config(precision="fp32", ckpt=ckpt, compile=compiled, peak_flops=1e12)
+        model, parts = train.build(cfg, torch.device("cpu"))
+        reports[compiled] = Report(cfg, model, parts, torch.device("cpu"), 1, 1, 0, (0, 0), log=lambda line: None)
+    whole = model.flops_per_token() + checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg),
+                                                                            stop_early=False)
+    if ckpt == "full":
+        assert reports[True].hw_flops_per_token == whole > reports[False].hw_flops_per_token, \
+            f"HFU's FLOPs per token: compiled {reports[True].hw_flops_per_token:,}, eager " \
+            f"{reports[False].hw_flops_per_token:,}, a whole re-run of every block {whole:,}"
+    else:
+        assert reports[True].hw_flops_per_token == reports[False].hw_flops_per_token < whole, \
+            f"HFU's FLOPs per token with selective: compiled {reports[True].hw_flops_per_token:,}, eager " \
+            f"{reports[False].hw_flops_per_token:,}"
