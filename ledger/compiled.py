@@ -67,7 +67,7 @@ class Allocations:
 
     def __enter__(self):
         self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        with _quiet():
+        with quiet():
             self.profile.__enter__()
         return self
 
@@ -77,7 +77,7 @@ class Allocations:
             pass
 
     def __exit__(self, *exc):
-        with _quiet():
+        with quiet():
             self.profile.__exit__(*exc)
         if exc[0] is not None:
             return False
@@ -96,7 +96,7 @@ class Allocations:
 
 
 @contextmanager
-def _quiet():
+def quiet():
     """Kineto says "profiler_start" and "profiler_stop" on fd 2 whatever KINETO_LOG_LEVEL asks: not here."""
     saved = os.dup(2)
     try:

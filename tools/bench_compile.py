@@ -65,7 +65,8 @@ def measure_compiled(flags, pairs, warmup):
         tok_s = tokens_per_step / (ms[who] / 1000)
         row |= {f"ms_per_step_{who}": ms[who], f"tokens_per_s_{who}": tok_s,
                 f"mfu_{who}": flops.utilization(tok_s, model.flops_per_token(), peak),
-                f"peak_{who}": step_peak(model, parts, micro, cfg, device)}
+                f"peak_{who}": step_peak(model, parts, micro, cfg, device),
+                f"gemm_share_{who}": gemm_share(model, parts, micro, cfg, device)}
     row["line"] = line(row, f"{parts.recipe.name} {cfg.ckpt}")  # what tools/bench.py prints
     return row
 
@@ -81,6 +82,23 @@ def step_peak(model, parts, micro, cfg, device):
     return allocations.peak - start
 
 
+def gemm_share(model, parts, micro, cfg, device, steps=2):
+    """The share of a step's time spent in matrix products (mm, addmm, bmm: what compile leaves as they
+    are, calling the same kernels), from torch.profiler's op times over `steps` steps; None on CUDA."""
+    if device.type == "cuda":
+        return None
+    profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with ledger_compiled.quiet():
+        profile.__enter__()
+    for _ in range(steps):
+        accumulate.accumulation_step(model, parts, micro, cfg.loss_norm, cfg.no_sync)
+    with ledger_compiled.quiet():
+        profile.__exit__(None, None, None)
+    events = profile.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    return sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm", "aten::bmm")) / total
+
+
 def line(row, label):
     """The row in words: tokens/s, MFU, the ratio, the first step, the peaks."""
     mfu = lambda who: bench.fmt(row[f"mfu_{who}"], "pct")  # noqa: E731
@@ -89,7 +107,9 @@ def line(row, label):
             f"{row['tokens_per_s_compiled']:10,.0f} tok/s (MFU {mfu('compiled')}): x{row['speedup']:.2f} (median of "
             f"{row['pairs']} paired steps, {min(ratios):.2f}-{max(ratios):.2f}); first step "
             f"{row['first_step_s']:.1f} s compiling (eager's {row['first_step_eager_s']:.2f} s); step peak {row['peak_compiled']:,} bytes "
-            f"compiled, {row['peak_eager']:,} eager")
+            f"compiled, {row['peak_eager']:,} eager"
+            + (f"; GEMMs {row['gemm_share_eager']:.0%} of an eager step, {row['gemm_share_compiled']:.0%} of a "
+               f"compiled one" if row["gemm_share_eager"] is not None else ""))
 
 
 def row_program(argv):
