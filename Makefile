@@ -18,7 +18,7 @@ endif
 KEYS := DATA OUT_DIR SEED DEVICE N_LAYER N_HEAD N_EMBD BLOCK_SIZE VOCAB_SIZE DROPOUT BIAS ATTN \
         BATCH_SIZE ACCUM TOTAL_BATCH_TOKENS LOSS_NORM NO_SYNC FP32_GRAD_ACCUM SHARD MAX_ITERS OPTIMIZER LEARNING_RATE MIN_LR \
         WARMUP_ITERS LR_DECAY_ITERS WEIGHT_DECAY BETA1 BETA2 GRAD_CLIP PRECISION LOSS_SCALE \
-        LOSS_SCALE_HYSTERESIS FP8_BACKEND FP8_RECIPE FP8_AMAX_HISTORY FP8_MARGIN FP8_GRAD CKPT CKPT_SEGMENT CKPT_IMPL \
+        LOSS_SCALE_HYSTERESIS FP8_BACKEND FP8_RECIPE FP8_AMAX_HISTORY FP8_MARGIN FP8_GRAD CKPT CKPT_SEGMENT CKPT_IMPL COMPILE \
         LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS SNAPSHOT_INTERVAL RESUME SAMPLE_TOKENS PEAK_FLOPS LEDGER SAMPLE_ONLY \
         MEMORY_SNAPSHOT
 VARIABLES := $(KEYS) NPROC PYTHON ARGS
@@ -67,7 +67,7 @@ endif
 .PHONY: help train test bench sample ddp ledger plan chapter dtypes underflow flops reading gpu-check clean
 
 help: $(DEPS)  ## this list; CKPT's choices are read from checkpoint.POLICIES
-	@echo "make train      train on the built-in data (PRECISION=fp32|bf16|fp16|fp8 CKPT=<a policy, below> ACCUM=K)"
+	@echo "make train      train on the built-in data (PRECISION=fp32|bf16|fp16|fp8 CKPT=<a policy, below> ACCUM=K COMPILE=1)"
 	@echo "make test       the test suite (CPU; CUDA tests skip without a GPU)"
 	@echo "make bench      tokens/s, ms/step, MFU and peak memory per precision and ckpt policy -> out/bench.jsonl"
 	@echo "make sample     print a sample from out/snapshot.pt"

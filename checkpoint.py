@@ -13,9 +13,8 @@ Policies (CKPT=), one class each in POLICIES:
 A new policy is one class: apply_policy, the recompute FLOPs, the ledger, CKPT's choices and
 `make help` all read POLICIES.
 
-Cost: a recomputed block runs its forward twice: about +33% of a step (forward 1, backward 2),
-less what its re-run skips after the last tensor the unit saves (`recompute_flops_per_token`).
-Model save/resume is a *snapshot* here (snapshot.py), never a checkpoint.
+Cost: a recomputed block runs its forward twice: about +33% of a step (forward 1, backward 2), less
+what its re-run skips after the last tensor the unit saves. Model save/resume is a *snapshot* here.
 """
 import functools
 import math
@@ -395,7 +394,7 @@ def recompute_flops_per_token(model, policy, stop_early=True):
     the attention core, QK^T and @V, 2 x 2*s*h. With the early stop a unit's last op is not re-run when
     nothing after it saves: a core's att @ v, or a unit's last Linear (by module order) where no dropout
     follows it (a plain nn.Linear: fp8's Function saves after it has run). Elementwise work is not
-    counted (nor does FlopCounterMode count it). sqrt re-runs every block, as full does.
+    counted (nor does FlopCounterMode count it).
     """
     c, n = model.cfg, len(model.h)
     core = 4 * c.block_size * c.n_embd

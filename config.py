@@ -95,6 +95,8 @@ class Config:
     ckpt_segment: int = key(0, "blocks per recompute unit for ckpt=sqrt; 0 = round(sqrt(n_layer))", at_least=0)
     ckpt_impl: str = key("hooks", "the recompute: hooks (saved-tensor hooks, as PyTorch's) or naive (the textbook "
                                   "autograd Function, checkpoint.NaiveRecompute)", CKPT_IMPLS)
+    # compilation (train.py)
+    compile: bool = key(False, "torch.compile each block on its own (train.compile_blocks); the mechanisms stay eager")
     # logging, evaluation, snapshots (train.py)
     log_interval: int = key(10, "steps between progress lines", at_least=1)
     eval_interval: int = key(100, "steps between validation losses", at_least=1)
@@ -162,6 +164,9 @@ def validate(cfg):
     if cfg.shard == "fsdp" and cfg.precision == "fp8":
         raise UsageError("--shard=fsdp does not run precision=fp8: FP8 Linears keep whole FP8 copies and an amax "
                          "per weight, and FSDP shards the weights (use shard=none|zero1|zero2)")
+    if cfg.compile and cfg.precision == "fp8":  # measured: docs/compile.md
+        raise UsageError("--compile does not run precision=fp8: every hand-written FP8 Linear breaks its block's "
+                         "compiled graph (31 graphs for 2 blocks where bf16 has 1, each step slower than eager)")
     if cfg.precision == "fp8":
         validate_fp8(cfg)
     return cfg

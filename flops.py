@@ -1,8 +1,8 @@
 """MFU and HFU: how much of the machine's peak FLOP/s the training step uses.
 
-Chapter section 3's cost side ("full checkpointing costs about 33% more compute"): MFU
-counts the model's FLOPs only (model.GPT.flops_per_token), HFU adds the FLOPs that
-recompute spends again (checkpoint.recompute_flops_per_token). Read first: `utilization`.
+Chapter section 3's cost side ("full checkpointing costs about 33% more compute"): MFU counts the
+model's FLOPs only (model.GPT.flops_per_token), HFU adds the FLOPs that recompute spends again
+(checkpoint.recompute_flops_per_token). Read first: `utilization`.
 """
 import functools
 import time

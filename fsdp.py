@@ -8,8 +8,7 @@ Read first: `apply_fsdp` (one fully_shard per block and one for the rest), then 
   - each block's gradient is reduce-scattered as soon as its backward ends: no rank holds the whole;
   - the FP32 shards *are* the master weights: each gathered block is cast to the run's 16-bit dtype,
     its gradient reduce-scattered in FP32, and AdamW steps the shards in place.
-What that costs, and why FP8 and fp32_grad_accum are refused with it: docs/zero.md. Snapshots are
-gathered into DDP's format by guards/sharded_snapshot.py.
+Its costs, and why FP8 and fp32_grad_accum are refused: docs/zero.md; snapshots: guards/sharded_snapshot.py.
 """
 from contextlib import contextmanager
 from functools import partial

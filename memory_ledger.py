@@ -7,18 +7,13 @@ recompute, L/k + k under sqrt, ZeRO's bytes per rank), then `block` (model.Block
 each op makes and what autograd keeps of it), then `state_bytes` and `activation_terms`.
 
 The closed forms are the papers' arithmetic; the op-by-op description (`embeddings`, `block`,
-`head`, in the ops of ledger/ops.py) is what makes the ledger exact: the parameter count, the
-saved tensors under every policy and precision, the peak (ledger/walk.py runs the description as
-PyTorch runs the code), the TP/SP/PP rows and the what-if all derive from it. Change model.Block,
-change `block` beside it; until then `make ledger` names what the description does not explain.
-`make ledger` prints the closed forms beside the description and the measurement, and names what
-differs (ledger/papers.py).
+`head`) is what makes the ledger exact: the parameter count, the saved tensors, the peak
+(ledger/walk.py) and the parallel rows all derive from it. Change model.Block, change `block`
+beside it; until then `make ledger` names what the description does not explain.
 
-Letters: b micro-batch, s context, h width, a heads, L layers, V vocabulary, P parameters,
-e bytes per element of parameters, activations and gradients (4 fp32, 2 bf16/fp16/fp8).
-"activations" are the storages autograd holds for backward once the forward has finished;
-"inputs" the batch (int64 ids and targets); "rng_states" host memory (one per recompute unit);
-"peak" the most bytes alive at any moment of a steady-state step. docs/ledger.md has the details.
+Letters: b micro-batch, s context, h width, a heads, L layers, V vocabulary, P parameters, e bytes
+per element (4 fp32, 2 bf16/fp16/fp8). "activations": what autograd holds for backward once the
+forward has finished; "peak": the most bytes alive in a steady-state step. More: docs/ledger.md.
 """
 import functools
 import math
@@ -326,8 +321,7 @@ def fp8_weight_copies(cfg):
     """{persistent, kept, transient} bytes of FP8 weight copies beyond the 16-bit parameters. Native
     FP8 keeps each Linear's E4M3 weight (out*in bytes, + 16 for its scale and amax) from micro-step 1
     to the optimizer step (a twin with fp8_grad=e5m2), and quantizes with a 4*out*in FP32 product;
-    Transformer Engine caches an E4M3 weight and its transpose across steps (formula only).
-    docs/ledger.md#fp8 says more."""
+    Transformer Engine caches an E4M3 weight and its transpose across steps (docs/ledger.md#fp8)."""
     rec = precision.recipe(cfg)
     weights = [info["numel"] for info in block_held(cfg, "fp8 weight")]
     if rec.fp8 is None or rec.fp8.backend == "te":
@@ -338,7 +332,7 @@ def fp8_weight_copies(cfg):
 
 
 def input_bytes(cfg):
-    """The batch, token ids x and targets y: int64, b*s each (see "inputs" above)."""
+    """The batch, token ids x and targets y: int64, b*s each."""
     return 2 * cfg.batch_size * cfg.block_size * 8
 
 

@@ -187,8 +187,7 @@ class LossScaler:
                     overflows_left=self.overflows_left, skipped_steps=self.skipped_steps)
 
     def load_state_dict(self, state):
-        for k, v in state.items():
-            setattr(self, k, v)
+        self.__dict__.update(state)
 
 
 # ---------------------------------------------------------------- the recipe: PRECISION, decided once

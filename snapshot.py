@@ -4,8 +4,7 @@ Chapter: none; a snapshot is what makes a long run survivable. It is not checkpo
 *checkpointing* always means activation recomputation (checkpoint.py). Read first: `capture` and
 `restore`, then `rng_state` (checkpoint.py's re-run draws the same dropout masks with it).
 A snapshot is one torch.save'd dict (model, optimizer, loss scaler, every rank's random streams,
-the step, the config), written atomically (guards/files.py: a crash keeps the previous one),
-loaded with weights_only=True and every field checked (guards/snapshot_fields.py) before use.
+the step, the config), written atomically, loaded with weights_only=True, every field checked.
 """
 import dataclasses
 import os

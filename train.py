@@ -34,6 +34,7 @@ import zero
 from config import RunError, UsageError
 from data import Batches
 from guards import clean_end, cli, snapshot_fields
+from guards.compiling import eagerly
 from guards.preflight import check_saved_policy, preflight, resolve_accum, scaler_asked_anew
 from ledger import run as ledger_run
 from model import GPT
@@ -64,6 +65,8 @@ def build(cfg, device=None):
         checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts,
                                 recompute_fn=checkpoint.IMPLEMENTATIONS[cfg.ckpt_impl],
                                 stop_early=checkpoint.rerun_stops_early(cfg, recipe))
+        if cfg.compile:
+            compile_blocks(model)  # before FSDP and DDP wrap the model, as PyTorch documents
         if sharded:
             fsdp.apply_fsdp(model, recipe)
         optimizer = make_optimizer(cfg, model, recipe)
@@ -74,6 +77,16 @@ def build(cfg, device=None):
     parts = accumulate.StepParts(recipe=recipe, scaler=recipe.loss_scaler(), optimizer=optimizer,
                                  grad_buffers=buffers, fp8_layers=fp8.layers(model))
     return model, parts
+
+
+def compile_blocks(model):
+    """COMPILE: each block compiled on its own, in place; the policy's units run compiled blocks (torchtitan's
+    order). A submodule unit stays eager: traced, our hooks give its backward wrong tensors (docs/compile.md)."""
+    for block in model.h:
+        for module in block.modules():
+            if "forward" in module.__dict__:  # checkpoint.apply_policy's recompute of a submodule unit
+                module.forward = torch.compiler.disable(module.forward)
+        block.compile()
 
 
 def make_optimizer(cfg, model, recipe):
@@ -103,6 +116,7 @@ def lr_at(cfg, it):
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
+@eagerly  # COMPILE compiles the training step only (guards/compiling.py)
 @torch.no_grad()
 def estimate_loss(model, batches, iters, recipe):
     model.eval()
@@ -115,9 +129,8 @@ def estimate_loss(model, batches, iters, recipe):
 
 
 def train(cfg, log=print):
-    """Train for cfg.max_iters optimizer steps; returns the list of per-step records.
-    Under torchrun (RANK set) this is one rank of a DistributedDataParallel run:
-    NCCL between GPUs, gloo between CPU processes."""
+    """Train for cfg.max_iters optimizer steps; returns the per-step records. Under torchrun (RANK set),
+    one rank of a DistributedDataParallel run: NCCL between GPUs, gloo between CPU processes."""
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     accum = resolve_accum(cfg, config.world_size())
     device = pick_device(cfg, local_rank)
@@ -138,9 +151,8 @@ def train_ddp(cfg, log, accum, device, start):
     try:
         with clean_end.lost_ranks_named():  # a rank killed mid-run is named in one line, not gloo's traceback
             history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size(), start)
-            # the DDP wrapper sits in reference cycles: free it while its process group lives
-            # (collected at interpreter exit instead, gloo's pending work can abort the process),
-            # and leave together, so no rank tears gloo down while a peer still writes
+            # free the DDP wrapper (in reference cycles) while its process group lives, or gloo's pending
+            # work can abort the process at exit; and leave together, so no rank tears gloo down early
             gc.collect()
             dist.barrier()
         return history
@@ -217,6 +229,7 @@ def resume(cfg, snap, model, parts, batches, rank, world_size, device, log):
     return step
 
 
+@eagerly
 @torch.no_grad()
 def sample(model, device, n_tokens, prompt=b"def "):
     """A short sample from the model, decoded as bytes (with its RNG state put back after)."""

@@ -13,4 +13,6 @@
                        before any of it is used
   sharded_snapshot.py  ZeRO's slices and FSDP's shards gathered into DDP's snapshot format and
                        cut back, so a snapshot resumes under DDP, ZeRO-1, ZeRO-2 or FSDP alike
+  compiling.py         what COMPILE=1 needs: a C++ compiler (CPU) or Triton (CUDA), and evaluation,
+                       the probe and sampling kept eager
 """

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from config import RunError, UsageError
 from guards.interrupts import SIGNALS, Interrupted, launcher_gone
+from guards.compiling import eagerly
 
 LOCK = ".memtrain.lock"  # in out_dir while a run uses it; its pid inside, for the refusal
 LOCK_TEXT = re.compile(rb"[0-9]{0,7}\n?")  # what a lock of ours holds (nothing yet, just made): any other is the user's
@@ -103,6 +104,7 @@ class Divergence:
         raise RunError(f"{why}; stopping without writing a snapshot, {note}")
 
 
+@eagerly
 @torch.no_grad()
 def probe_loss(model, batch):
     """The loss of the current weights on a fixed batch, in eval mode (no dropout, no FP8 amax

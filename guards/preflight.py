@@ -16,7 +16,7 @@ from guards import clean_end as guard
 from ledger import run as ledger_run
 import precision
 import snapshot
-from guards import files
+from guards import compiling, files
 from guards import snapshot_fields
 import config
 from config import UsageError
@@ -81,6 +81,8 @@ def preflight(cfg, device, rank, held):
     if cfg.memory_snapshot and device.type != "cuda":
         raise UsageError("--memory_snapshot records the CUDA allocator's history: it needs a CUDA device")
     ledger_run.check_fits(cfg, device)
+    if cfg.compile and (why := compiling.compile_error(device)):
+        raise UsageError(why)
     try:
         precision.recipe(cfg).check_device(device)
     except ValueError as e:

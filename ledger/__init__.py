@@ -9,6 +9,7 @@ stands on, and what puts its numbers to work. Read memory_ledger.py first.
   sdpa_math.py torch's math path for sdpa (CPU with dropout), another
   step.py      accumulate.py's step around the model: the loss, backward, the optimizer
   measure.py   the same bytes measured on a real step: saved tensors, live storages
+  compiled.py  the same under COMPILE=1: what compiled blocks save, the step's peak
   explain.py   measured against described: which saved tensor no term accounts for
   parallel.py  ZeRO, TP, SP, PP, CP and offload per GPU, and the big shapes (the what-if)
   shard.py     what one rank holds under zero.py's ZeRO and fsdp.py's FSDP, exactly, and its step

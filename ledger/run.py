@@ -38,12 +38,16 @@ class Report:
         self.start_step, self.log, self.master = start_step, log, rank == 0
         seqs, self.tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
         self.flops_per_token = model.flops_per_token()
+        # a compiled block saves its tensors at its end, so a unit of blocks re-runs whole (a core stays eager)
+        policy = checkpoint.policy(cfg)
+        stop_early = checkpoint.rerun_stops_early(cfg, parts.recipe) and not (cfg.compile and policy.block_units(1))
         self.hw_flops_per_token = self.flops_per_token + checkpoint.recompute_flops_per_token(
-            model, checkpoint.policy(cfg), stop_early=checkpoint.rerun_stops_early(cfg, parts.recipe))
+            model, policy, stop_early=stop_early)
         self.peak = flops.peak_flops(cfg, parts.recipe, device)
         if self.master:
             log(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
-                f"precision {parts.recipe.name}, ckpt {cfg.ckpt}, attn {cfg.attn}, device {device}")
+                f"precision {parts.recipe.name}, ckpt {cfg.ckpt}, attn {cfg.attn}, device {device}"
+                + (", each block compiled (torch.compile)" if cfg.compile else ""))
             log(f"effective batch = micro-batch {cfg.batch_size} x world_size {world_size} x accum {accum} "
                 f"= {seqs} sequences = {self.tokens_per_step} tokens per optimizer step")
             log(f"data: {data_bytes[0]:,} train / {data_bytes[1]:,} val bytes; "
@@ -56,6 +60,8 @@ class Report:
         """step: 0-based, just done."""
         cfg, master, first = self.cfg, self.master, step == self.start_step
         self.tokens_since += self.tokens_per_step
+        if first and cfg.compile:  # its own line: compiling is not training speed
+            self.compiled_line(step, loss)
         if master and first and cfg.ledger:
             self.log(ledger_line(cfg, self.device))
         if first and cfg.shard != "none" and (line := states_line(cfg, self.model, self.parts, self.world_size)):
@@ -66,8 +72,19 @@ class Report:
             save_history(path)
             self.log(f"wrote {path}: the allocator's history of the first steps; open it at "
                      f"https://pytorch.org/memory_viz")
-        if master and ((step + 1) % cfg.log_interval == 0 or step + 1 == cfg.max_iters):
+        if master and ((step + 1) % cfg.log_interval == 0 or step + 1 == cfg.max_iters) and self.tokens_since:
             self.log(self.progress_line(step, loss))
+
+    def compiled_line(self, step, loss):
+        """COMPILE: the first step compiles the blocks (train.compile_blocks) as it runs; its time is
+        said on a line of its own, and tokens/s, MFU and ms/step count from the step after it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - self.t_last
+        if self.master:
+            self.log(f"step {step + 1:5d} | loss {loss:.4f} | {took:7.1f} s: torch.compile compiled {self.cfg.n_layer} "
+                     f"blocks in this step (not in the timings below, which start at step {step + 2})")
+        self.t_last, self.tokens_since = time.perf_counter(), 0
 
     def progress_line(self, step, loss):
         if self.device.type == "cuda":

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (run by make gpu-check; skipped without one)")
+    config.addinivalue_line("markers", "slow: minutes of compiling; skipped unless asked for by name: pytest -m slow")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,7 +33,11 @@ def pytest_collection_modifyitems(config, items):
     # "fp8" in their names
     fp8_error = fp8_gemm.fp8_matmul_error("cpu")
     no_fp8 = pytest.mark.skip(reason=f"native FP8 cannot run here: {fp8_error}")
+    asked = "slow" in (config.getoption("markexpr") or "")
+    too_slow = pytest.mark.skip(reason="slow (minutes of torch.compile on CPU): run with pytest -m slow")
     for item in items:
+        if "slow" in item.keywords and not asked:
+            item.add_marker(too_slow)
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_cuda)
         elif fp8_error and "fp8" in item.nodeid and "cuda" not in item.keywords:

@@ -75,8 +75,8 @@ def test_gpu_check_plans_every_step_with_the_flags_given(tmp_path):
     them), all on CUDA, into their own folders; the flags given reach the ledger, the plan's check and
     the benchmark, ours replacing theirs."""
     plan = gpu_check.steps("python", ["--precision=fp16", "--device=cpu"], tmp_path)
-    assert [s.name for s in plan] == ["tests", "ledger", "plan", "bench fast", "bench precision", "bench fp8wide",
-                                      "bench ckpt", "bench memory"]
+    assert [s.name for s in plan] == ["tests", "ledger", "plan", "bench fast", "bench compile", "bench precision",
+                                      "bench fp8wide", "bench ckpt", "bench memory"]
     assert plan[0].argv[1:6] == ["-m", "pytest", "-q", "-m", "cuda"]
     for step in plan[1:]:
         assert "--device=cuda" in step.argv and "--device=cpu" not in step.argv and "--precision=fp16" in step.argv
@@ -96,6 +96,15 @@ def test_gpu_check_summary_reads_the_ledger_and_bench_files(tmp_path):
         rows=[dict(component="activations", predicted=10, measured=10, ok=True, rule="exact")])))
     assert "| activations | 10 | 10 | ok (exact) |" in gpu_check.ledger_figures(tmp_path / "memory_ledger.json")
     assert gpu_check.bench_figures(tmp_path / "missing.jsonl") == ["no rows written (see the log)"]
+    # the compile section's row holds two models: a line for each, the ratio on both
+    (tmp_path / "bench.jsonl").write_text(json.dumps(dict(
+        section="compile", label="bf16 sdpa L12 h768 full", ckpt="full", speedup=1.5, peak_flops=989e12,
+        **{f"{k}_{who}": v for who, vs in (("eager", (1e5, 160.0, 0.3, 2 ** 31)), ("compiled", (1.5e5, 107.0, 0.45,
+                                                                                              2 ** 30)))
+           for k, v in zip(("tokens_per_s", "ms_per_step", "mfu", "peak"), vs)})) + "\n")
+    eager, compiled = gpu_check.bench_figures(tmp_path / "bench.jsonl")[2:]
+    assert "full eager (compiled x1.50" in eager and "100,000.0" in eager and "30.0%" in eager and "2048 MiB" in eager
+    assert "full compiled (compiled x1.50" in compiled and "45.0%" in compiled and "1024 MiB" in compiled
 
 
 def test_the_fast_configuration_names_the_peak_its_mfu_divides_by(monkeypatch):

@@ -1,16 +1,16 @@
-"""Benchmarks (not tests): tokens/s, ms/step, MFU and peak memory per precision, per
-recompute policy (and ours against torch.utils.checkpoint on the same units, their steps
-in turn in one process: measure_pair), DDP step time with and without no_sync, FP8 (native, its HYBRID mode,
-Transformer Engine where installed) against BF16 at widths 2048 and 4096 (fp8wide), and
-the fast configuration a GPU user expects (fast: BF16, the fused attention, a GPT-2-124M-like
-shape), with the peak FLOP/s its MFU divides by named.
+"""Benchmarks (not tests): tokens/s, ms/step, MFU and peak memory per precision, per recompute policy
+(and ours against torch.utils.checkpoint on the same units, their steps in turn in one process:
+measure_pair), compiled blocks against eager (compile: tools/bench_compile.py), DDP step time with and
+without no_sync, FP8 (native, its HYBRID mode, Transformer Engine where installed) against BF16 at
+widths 2048 and 4096 (fp8wide), and the fast configuration a GPU user expects (fast: BF16, the fused
+attention, a GPT-2-124M-like shape), with the peak FLOP/s its MFU divides by named.
 
 Chapter: the "it saves memory *and* speeds up" claims of sections 1-3, measured.
 Read first: `measure_row` (one configuration: the median step after warm-up steps).
 This file exists beside train.py because timing many configurations, each in a
 fresh process so that its peak memory is its own, is a job the trainer does not have.
 
-    python tools/bench.py [train.py flags as the base config] [--sections=precision,ckpt,memory,ddp,fp8wide,fast]
+    python tools/bench.py [train.py flags as the base config] [--sections=precision,ckpt,compile,memory,...]
                           [--steps=N] [--warmup=N]
 
 Rows go to the screen as a table and to out_dir/bench.jsonl as one JSON object each.
@@ -47,7 +47,7 @@ from guards.cli import given  # noqa: E402
 from data import Batches, load_tokens, split_tokens  # noqa: E402
 from guards.files import check_writable, write_atomically  # noqa: E402
 
-SECTIONS = ("precision", "ckpt", "memory", "ddp", "fp8wide", "fast")
+SECTIONS = ("precision", "ckpt", "compile", "memory", "ddp", "fp8wide", "fast")
 # fast: what a GPU is for. ATTN=manual stays the teaching default (it keeps the s x s softmax the
 # chapter is about); on a GPU users expect the fused kernel, BF16 and a GPT-2-124M-like shape (12
 # layers, width 768, context 1024; our byte vocabulary makes it 85M parameters). Eager mode.
@@ -59,6 +59,10 @@ FAST = ["--precision=bf16", "--attn=sdpa", "--n_layer=12", "--n_embd=768", "--n_
 # at width >= 4096 on an H100/H200. Width: (heads, layers); 2 layers of width 4096 (201M parameters
 # each) give the ratio and keep `make gpu-check` short.
 WIDE = {2048: (16, 4), 4096: (32, 2)}
+# compile: on CPU the default shape (the goals: BF16 >= 1.3x, FP32 >= 1.5x eager's tokens/s); on CUDA the fast one
+COMPILE_ROWS = {True: [("fp32", ["--precision=fp32"]), ("bf16", ["--precision=bf16"]), ("bf16 full", [
+    "--precision=bf16", "--ckpt=full"]), ("bf16 selective", ["--precision=bf16", "--ckpt=selective"])],
+    False: [("bf16 sdpa L12 h768", FAST), ("bf16 sdpa L12 h768 full", FAST + ["--ckpt=full"])]}
 FP8_ROWS = (("fp8", ["--precision=fp8", "--fp8_backend=native", "--fp8_grad=bf16"]),
             ("fp8 hybrid", ["--precision=fp8", "--fp8_backend=native", "--fp8_grad=e5m2"]),
             ("fp8 te", ["--precision=fp8", "--fp8_backend=te"]))
@@ -66,7 +70,7 @@ FP8_ROWS = (("fp8", ["--precision=fp8", "--fp8_backend=native", "--fp8_grad=bf16
 
 @dataclass
 class BenchOptions:
-    sections: str = key("precision,ckpt,memory,ddp", "comma-separated: " + ",".join(SECTIONS)
+    sections: str = key("precision,ckpt,compile,memory,ddp", "comma-separated: " + ",".join(SECTIONS)
                         + " (fp8wide and fast are for GPUs: skipped on CPU)")
     steps: int = key(9, "timed optimizer steps per row (the median is reported)", at_least=1)
     warmup: int = key(2, "untimed steps before them", at_least=0)
@@ -204,12 +208,12 @@ def peak_source(cfg, recipe, device, peak):
     return f"measured: this CPU's {recipe.param_dtype} addmm (flops.peak_flops)"
 
 
-def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False, pair=False):
+def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False, pair=False, script=__file__):
     """Each row in a fresh process: CPU peak RSS is a per-process high-water mark.
-    pair: measure_pair's row (steps: its pairs) instead of measure_row's."""
+    pair: measure_pair's row (steps: its pairs) instead of measure_row's; script: whose `--row` runs it."""
     job = json.dumps(dict(flags=flags, steps=steps, warmup=warmup, autocast_reference=autocast_reference,
                           pair=pair))
-    r = subprocess.run([sys.executable, __file__, "--row", job], capture_output=True, text=True, cwd=HERE)
+    r = subprocess.run([sys.executable, script, "--row", job], capture_output=True, text=True, cwd=HERE)
     if r.returncode == 2:  # bad input, already one line
         raise UsageError(r.stderr.strip().splitlines()[-1].removeprefix("error: "))
     if r.returncode != 0:
@@ -230,11 +234,11 @@ def run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_
         planned.append(flags)
         if dry:  # a stand-in row, so that the comparisons below can run
             return dict(tokens_per_s=1.0, ms_per_step=1.0, peak_mem_bytes=0)
-        row = run_row_in_subprocess(flags, kw.get("steps", steps), kw.get("warmup", warmup),
-                                    kw.get("autocast_reference", False), kw.get("pair", False))
+        job = {k: kw[k] for k in ("autocast_reference", "pair", "script") if k in kw}
+        row = run_row_in_subprocess(flags, kw.get("steps", steps), kw.get("warmup", warmup), **job)
         row["section"], row["label"] = section, label or row["precision"]
         rows.append(row)
-        if kw.get("pair"):
+        if kw.get("pair") or section == "compile":
             return row
         say(f"{section:9} {row['label']:17} {row['ckpt']:9} {fmt(row['tokens_per_s'], 'f1'):>12} tok/s "
               f"{fmt(row['ms_per_step'], 'f1'):>10} ms/step  MFU {fmt(row['mfu'], 'pct'):>6}  "
@@ -274,6 +278,11 @@ def run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_
                     f"{row['peak_ours']:,} vs {row['peak_torch']:,} bytes (live, op by op), same weights after "
                     f"them: {'yes' if row['same_weights'] else 'not compared (dropout)' if row['dropout'] else 'NO'}",
                     flush=True)
+    if "compile" in sections:  # each row eager and compiled, in one process: tools/bench_compile.py
+        for label, flags in COMPILE_ROWS[on_cpu]:
+            flags = ["--ckpt=none", "--ckpt_segment=0", "--attn=manual", *flags] if on_cpu else flags
+            row = add("compile", flags, label=label, steps=rounds, script=str(HERE / "tools" / "bench_compile.py"))
+            say(row.get("line"), flush=True)
     if "memory" in sections:
         # a config where activations dominate: long context, bigger micro-batch
         shape = ["--block_size=1024", "--batch_size=16"]
@@ -357,10 +366,7 @@ def ddp_rows(base, variants, steps, out_dir):
 
 def overridden(base, flags):
     """base's --key=value flags with those in `flags` replacing any of the same key (a key twice is refused)."""
-    out = {}
-    for flag in (*base, *flags):
-        out[flag.partition("=")[0]] = flag
-    return list(out.values())
+    return list({flag.partition("=")[0]: flag for flag in (*base, *flags)}.values())
 
 
 def te_unavailable(device):

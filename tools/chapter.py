@@ -25,6 +25,7 @@ from tools import chapter_runs as section1  # noqa: E402
 from tools import chapter_runs_memory as sections234  # noqa: E402
 from tools import ledger  # noqa: E402
 
+TIMED_SHAPE = dict(n_embd=128, n_head=4, block_size=128)  # what the timed claims run at (--quick: smaller)
 SECTIONS = {"1": "Mixed-precision training", "2": "Gradient accumulation", "3": "Activation checkpointing",
             "4": "The whole picture of memory optimisation"}
 
@@ -40,7 +41,7 @@ def run_claims(device, out, opts, say):
     steps = 30 if opts.quick else opts.steps
     timed = 3 if opts.quick else 9
     # the shape the timed claims run at: --quick's only has to run (its time ratios are noise)
-    timed_shape = dict(n_embd=64, n_head=2, block_size=64) if opts.quick else dict(n_embd=128, n_head=4, block_size=128)
+    timed_shape = dict(n_embd=64, n_head=2, block_size=64) if opts.quick else TIMED_SHAPE
     claims, extras = [], {}
 
     def add(claim):
@@ -88,7 +89,8 @@ def report(claims, extras, device, seconds):
     lines += ["## The four components x techniques, per GPU", "",
               "```", ledger.format_table(extras["table"]), "```", "",
               "\"measured\": run on this machine by ledger/measure.py; \"formula\": memory_ledger.py and "
-              "ledger/parallel.py for techniques this project does not run.", ""]
+              "ledger/parallel.py for techniques this project does not run.", "",
+              "## Beside the chapter: torch.compile", "", extras["compile"], ""]
     return "\n".join(lines)
 
 
@@ -107,6 +109,10 @@ def program(argv):
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     claims, extras = run_claims(device, out, opts, say=lambda line: print(line, flush=True))
+    # beside the chapter: not under --quick (the test suite's run), where compiling would cost more than the rest
+    extras["compile"] = "torch.compile: not measured under --quick (its first step compiles for tens of seconds)" \
+        if opts.quick else section1.what_compile_buys(device, 9, TIMED_SHAPE)
+    print(extras["compile"], flush=True)
     text = report(claims, extras, device, time.perf_counter() - started)
     write_atomically(out / "report.md", lambda fh: fh.write(text.encode()))
     print(f"wrote {out / 'report.md'}: {sum(c.holds for c in claims)} of {len(claims)} claims hold here")

@@ -20,7 +20,7 @@ from backends import fp8_gemm
 from config import Config, validate
 from data import Batches, load_tokens, split_tokens
 from model import GPT
-from tools import bench, demos, ledger, plots
+from tools import bench, bench_compile, demos, ledger, plots
 
 
 @dataclass
@@ -54,12 +54,16 @@ def tiny(device, **over):
     return validate(Config(**{**TINY, "device": device.type, **over}))
 
 
+def flags_of(cfg):
+    """cfg as the flags that differ from the defaults."""
+    default = Config()
+    return [f"--{f.name}={getattr(cfg, f.name)}" for f in fields(Config) if getattr(cfg, f.name) != getattr(default, f.name)]
+
+
 def step_seconds(cfg, steps):
     """Median seconds per optimizer step after two warm-up steps: the benchmark's own timing
-    (tools/bench.py measure_row), for cfg given as the flags that differ from the defaults."""
-    default = Config()
-    flags = [f"--{f.name}={getattr(cfg, f.name)}" for f in fields(Config) if getattr(cfg, f.name) != getattr(default, f.name)]
-    return bench.measure_row(flags, steps, warmup=2)["ms_per_step"] / 1000
+    (tools/bench.py measure_row)."""
+    return bench.measure_row(flags_of(cfg), steps, warmup=2)["ms_per_step"] / 1000
 
 
 def slow_because(device):
@@ -205,3 +209,18 @@ def fp8_scaling_risk(device):
                  "; ".join(f"{k}: {100 * v[0]:.1f}% error of ordinary values, {100 * v[1]:.0f}% worst" for k, v in
                            rows.items()), "outliers cost the other values precision (current scaling) or get "
                  "clipped (a delayed scale that has not seen them)", holds)
+
+
+# ---------------------------------------------------------------- beside the chapter
+
+def what_compile_buys(device, steps, shape):
+    """COMPILE=1 is no technique of the chapter, but a nanoGPT user expects it: each block compiled against
+    the same model eager, BF16 at the timed shape, their steps in turn (tools/bench_compile.py). A sentence."""
+    cfg = tiny(device, precision="bf16", **shape)
+    row = bench_compile.measure_compiled(flags_of(cfg), steps, warmup=2)
+    mib = lambda n: f"{n / 2 ** 20:.1f} MiB"  # noqa: E731
+    return (f"torch.compile (COMPILE=1: each block compiled, the chapter's mechanisms eager) at this shape (BF16, "
+            f"L={cfg.n_layer} h={cfg.n_embd} s={cfg.block_size} b={cfg.batch_size}) on {machine(device)}: "
+            f"x{row['speedup']:.2f} eager's tokens/s (median of {steps} paired steps, {min(row['time_ratios']):.2f}-"
+            f"{max(row['time_ratios']):.2f}), after a first step of {row['first_step_s']:.0f} s compiling; a step's "
+            f"peak {mib(row['peak_compiled'])} compiled, {mib(row['peak_eager'])} eager.")

@@ -3,9 +3,10 @@
 A tool, not a chapter file. The steps, in order: the CUDA-marked tests, the memory ledger on
 CUDA (tools/ledger.py), the plan's check (tools/plan_check.py: the CUDA context and the allocator's
 slack measured, the planned micro-batch trains on a smaller GPU emulated where the next runs out of
-memory), then the benchmark's sections one by one (tools/bench.py): the fast
-configuration (BF16, sdpa, 12 layers of width 768 at context 1024: tokens/s and MFU, with the
-peak FLOP/s it divides by named), precision (tokens/s per precision), fp8wide (FP8 against
+memory), then the benchmark's sections one by one (tools/bench.py): the fast configuration (BF16,
+sdpa, 12 layers of width 768 at context 1024: tokens/s and MFU, with the peak FLOP/s it divides by
+named), compile (the same shape with each block compiled, beside eager: tokens/s, MFU, and the peak
+under full recompute compiled and eager), precision (tokens/s per precision), fp8wide (FP8 against
 BF16 at widths 2048 and 4096), ckpt and memory. Each runs in its own process with its own log
 under OUT_DIR/gpu-check/; a step that fails, or runs past its share of the time, is recorded
 and the next one runs. Then OUT_DIR/gpu-check/summary.md: the device, the torch, CUDA and
@@ -61,7 +62,8 @@ def steps(python, flags, out):
             Step("plan", [python, "tools/plan_check.py",
                           *overridden(flags, ["--device=cuda", f"--out_dir={plan_dir}"])],
                  90, lambda: plan_figures(plan_dir / "plan_check.json")),
-            bench("fast", 60), bench("precision", 100), bench("fp8wide", 120), bench("ckpt", 120),
+            bench("fast", 60), bench("compile", 120),
+            bench("precision", 100), bench("fp8wide", 120), bench("ckpt", 120),
             bench("memory", 60)]
 
 
@@ -105,6 +107,12 @@ def bench_figures(path):
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     out = ["| row | ckpt | tokens/s | ms/step | MFU | peak FLOP/s (source) | peak memory |", "|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("section") == "compile":  # one process, two models: eager and each block compiled
+            out += [f"| {r['label']} {who} (compiled x{r['speedup']:.2f} eager's tokens/s) | {r['ckpt']} | "
+                    f"{fmt(r[f'tokens_per_s_{who}'], 'f1')} | {fmt(r[f'ms_per_step_{who}'], 'f1')} | "
+                    f"{fmt(r[f'mfu_{who}'], 'pct')} | {fmt(r['peak_flops'] or None, 'tflops')} | "
+                    f"{fmt(r[f'peak_{who}'], 'mem')} (a step's peak) |" for who in ("eager", "compiled")]
+            continue
         if "tokens_per_s" not in r:  # the ckpt section's paired summary
             out.append(f"| {r.get('section')} {r.get('ckpt')}: ours / torch.utils.checkpoint | | time "
                        f"x{r.get('time_ours_vs_torch', float('nan')):.3f} | | | | |")

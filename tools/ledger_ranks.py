@@ -63,7 +63,8 @@ def shards_for(cfg):
 def job_of(cfg):
     """The job that measures cfg's shape: one micro-batch, no output, the keys that change neither left
     at their defaults (one run for them all)."""
-    cpu = replace(cfg, device="cpu", shard="none", accum=1, total_batch_tokens=0, out_dir=Config.out_dir)
+    cpu = replace(cfg, device="cpu", shard="none", accum=1, total_batch_tokens=0, out_dir=Config.out_dir,
+                  compile=False)
     return tuple(cli.flags(cpu)), tuple(shards_for(cpu))
 
 

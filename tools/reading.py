@@ -63,7 +63,7 @@ PATHS = [  # in the README's reading order
     Reading("FSDP2 (ZeRO-3)", "fsdp.py", ("apply_fsdp", "ShardOptimizer"), (), 100),
     Reading("the training loop", "train.py", ("train_loop",), ("resume", "lr_at", "estimate_loss", "sample"), 60),
     Reading("building a run: precision, model, policy, optimizer", "train.py",
-            ("build", "make_optimizer", "wrap_ddp", "pick_device"), docstring=False),
+            ("build", "compile_blocks", "make_optimizer", "wrap_ddp", "pick_device"), docstring=False),
     Reading("snapshots and the random streams", "snapshot.py",
             ("capture", "restore", "save", "read", "rng_state", "set_rng_state")),
     Reading("the data", "data.py", ("Batches", "DrawnOnce")),
