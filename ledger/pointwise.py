@@ -156,11 +156,12 @@ def _to_16_backward(g, node, grads):
 
 
 def _chain_backward(g, node, grads):
-    """A gradient made in `steps` elementwise ops, each result replacing the one before."""
-    out = None
-    for i in range(node.ctx["steps"]):
-        out = g.new(node.name + " backward", node.name + f" d{i}", node.ctx["nbytes"], region=grads[0].region)
-    return [out]
+    """A gradient made in `steps` elementwise ops of one C++ expression (pow_backward's
+    `grad * (exp * self.pow(exp - 1))`, rsqrt's `-0.5 * grad * result.pow(3)`): each result a
+    temporary that lives to the expression's end, so all are alive when the last is made."""
+    made = [g.new(node.name + " backward", node.name + f" d{i}", node.ctx["nbytes"], region=grads[0].region)
+            for i in range(node.ctx["steps"])]
+    return made[-1:]
 
 
 def _mul_backward(g, node, grads):

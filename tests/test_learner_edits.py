@@ -9,8 +9,13 @@ and the what-if is not rerun here (it walks the big shapes: seconds each; tools/
 per process, which an edit made in-process would leave stale).
 """
 import pytest
+import torch
 
+import accumulate
 import memory_ledger as ml
+import train
+from config import Config
+from ledger import measure
 from conftest import merged
 from guards.cli import parse_args
 from learner_edits import EDITS
@@ -62,3 +67,21 @@ def test_an_edit_described_too_is_exact_again(edit, monkeypatch, tmp_path, capsy
         peak = next(line.split() for line in out.splitlines() if line.startswith("peak "))
         assert rc == 0 and err == "" and peak[1] == peak[2], \
             f"{' '.join(argv)}: exit status {rc}, the peak predicted {peak[1]} and measured {peak[2]} bytes:\n{out}"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_rmsnorm_peak_in_its_own_backward_is_walked_exactly(precision, monkeypatch):
+    """A shape (width = vocabulary) where the step's peak is ln_f's backward: pow's backward keeps
+    its three temporaries alive together (one C++ expression), and the walk must too."""
+    edit_model, edit_description, _ = EDITS["rmsnorm"]
+    edit_model(monkeypatch)
+    edit_description(monkeypatch)
+    cfg = Config(device="cpu", precision=precision, n_layer=1, n_embd=256, n_head=2, block_size=64, batch_size=32)
+    model, parts = train.build(cfg, torch.device("cpu"))
+    batch = measure.random_batch(cfg, torch.device("cpu"))
+    accumulate.accumulation_step(model, parts, [batch])
+    measured = measure.measure(model, parts, batch, torch.device("cpu"))
+    predicted, where, _ = ml.peak_estimate(cfg)
+    assert (predicted, where) == (measured["peak"], "ln_f pow backward"), \
+        f"{precision}: the walk's peak {predicted:,} bytes at {where}, measured {measured['peak']:,} " \
+        f"in {measured['peak_phase']}"
