@@ -10,7 +10,7 @@ from dataclasses import fields
 import checkpoint
 import precision
 from config import NUMBER, Config, RunError, UsageError, check_keys, validate
-from guards import interrupts
+from guards import compiling, interrupts
 from guards.preflight import launcher_error, torch_floor_error
 
 
@@ -60,6 +60,8 @@ def parse_args(argv, *extra):
             text = "true"
         values[cls][name] = _convert(f, text)
     cfg = validate(Config(**values[Config]))
+    if why := compiling.cache_folder_error():
+        raise UsageError(why)
     checkpoint.policy(cfg)
     precision.optimizer_spec(cfg)
     if not extra:

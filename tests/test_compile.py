@@ -15,6 +15,9 @@ keeps its intermediates in FP32 and rounds once at its output where eager BF16 r
 op (BF16: about one BF16 ulp, 2^-8, per kernel). Compiled against compiled (full recompute against
 none) is the same kernels on the same inputs: bit for bit.
 """
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -27,6 +30,7 @@ import train
 from config import Config, UsageError, validate
 from guards import cli, compiling
 from ledger import compiled as ledger_compiled
+from conftest import ROOT
 from ledger import measure
 
 SHAPE = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=2, device="cpu", max_iters=3,
@@ -248,6 +252,8 @@ def test_what_cannot_compile_is_refused_in_one_line(monkeypatch):
     # config.patch, not monkeypatch: under torch 2.11 a config set by setattr and set back breaks later compiles
     with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
         assert "needs a C++ compiler" in compiling.compile_error(torch.device("cpu"))
+    with torch._inductor.config.patch({"cpp.cxx": (None, "/bin/true")}):  # runs, builds nothing
+        assert "/bin/true did not build" in compiling.compile_error(torch.device("cpu"))
     monkeypatch.setattr(torch, "__version__", "2.5.1")
     assert "needs torch >= 2.6" in compiling.compile_error(torch.device("cpu"))
 
@@ -272,3 +278,14 @@ def test_hfu_counts_what_a_compiled_rerun_runs(ckpt):
         assert reports[True].hw_flops_per_token == reports[False].hw_flops_per_token < whole, \
             f"HFU's FLOPs per token with selective: compiled {reports[True].hw_flops_per_token:,}, eager " \
             f"{reports[False].hw_flops_per_token:,}"
+
+
+def test_a_cache_folder_torch_cannot_make_is_refused_in_one_line(monkeypatch, tmp_path):
+    # torch.optim imports the compiler, which makes TORCHINDUCTOR_CACHE_DIR: every run needs it, compiled or not
+    (tmp_path / "a file").write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a file"))
+    with pytest.raises(UsageError, match="TORCHINDUCTOR_CACHE_DIR=.*a file, not a folder"):
+        cli.parse_args(["--n_layer=1"])
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "a file"))  # and --help never meets it
+    done = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "usage" in done.stdout, f"train.py --help: {done.returncode}, {done.stderr[-300:]}"
