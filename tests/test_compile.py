@@ -289,3 +289,21 @@ def test_a_cache_folder_torch_cannot_make_is_refused_in_one_line(monkeypatch, tm
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "a file"))  # and --help never meets it
     done = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0 and "usage" in done.stdout, f"train.py --help: {done.returncode}, {done.stderr[-300:]}"
+
+
+def test_evaluation_and_sampling_run_eagerly():
+    # each would compile graphs of its own (eval mode, no grad; sampling a new length per token)
+    from torch._dynamo.utils import counters
+    cfg = config(compile=True)
+    model, parts = train.build(cfg, torch.device("cpu"))
+    accumulate.accumulation_step(model, parts, batches(1))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0, "the training step compiled no graph"
+
+    class Fixed:
+        def next(self):
+            return batches(1)[0]
+    train.estimate_loss(model, Fixed(), 1, parts.recipe)
+    train.sample(model, torch.device("cpu"), 3)
+    assert counters["stats"]["unique_graphs"] == graphs, \
+        f"evaluation and sampling compiled {counters['stats']['unique_graphs'] - graphs} graphs of their own"
