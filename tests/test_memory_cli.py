@@ -178,3 +178,12 @@ def test_the_ranks_say_their_own_failure_in_one_line():
     assert said.startswith(f"the sharded rows' {ledger_ranks.RANKS} processes failed: rank ") and \
         said.endswith(", bogus: ValueError: no per-rank formula for shard=bogus (ledger/shard.py:" +
                       said.rsplit(":", 1)[1]) and "\n" not in said, said
+
+
+def test_the_ranks_job_parses_for_every_recompute_implementation():
+    """The ranks measure the states with ckpt=none, where ckpt_impl=naive is refused: it is left out."""
+    from dataclasses import replace
+    from tools import ledger_ranks
+    for impl in ("hooks", "naive"):
+        flags, _ = ledger_ranks.job_of(replace(parse_args(SDPA + ["--ckpt=full", f"--ckpt_impl={impl}"]), ckpt="none"))
+        parse_args(list(flags))  # raises UsageError where the ranks would refuse it

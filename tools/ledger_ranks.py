@@ -65,6 +65,8 @@ def job_of(cfg):
     at their defaults (one run for them all)."""
     cpu = replace(cfg, device="cpu", shard="none", accum=1, total_batch_tokens=0, out_dir=Config.out_dir,
                   compile=False)
+    if cpu.ckpt == "none":  # ckpt_impl names how a policy recomputes: with none it is refused
+        cpu = replace(cpu, ckpt_impl=Config.ckpt_impl)
     return tuple(cli.flags(cpu)), tuple(shards_for(cpu))
 
 
