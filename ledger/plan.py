@@ -61,7 +61,9 @@ WORKSPACE = {"sm90": 2 * 4096 * 1024 * 8, "other": 2 * (4096 * 1024 * 2 + 16 * 1
 HOPPER = ("H200", "H100")
 MFU = 0.40  # the utilization of the GPU's peak the step time assumes, stated, not measured
 TARGET_TOKENS = 2 ** 19  # the default target batch, tokens per optimizer step (nanoGPT's GPT-2 run: 524,288)
-SIZE = re.compile(r"([0-9]+(?:[.][0-9]+)?)(GiB|GB|MiB|MB)")
+SIZE = re.compile(r"([0-9]+(?:[.][0-9]+)?)(GiB|GB|MiB|MB)", re.IGNORECASE)
+UNITS = {"gib": GIB, "gb": 10 ** 9, "mib": MIB, "mb": 10 ** 6}
+LARGEST = 2 ** 50  # bytes: a GPU given by size is at most 1 PiB (the walk's figures are 64-bit integers)
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,13 @@ def find_gpu(text):
     """A GPU of GPUS by name (any case), or one given by its size ("24GiB", "80GB": what CUDA reports)."""
     size = SIZE.fullmatch(text.replace(" ", ""))
     if size:
-        unit = {"GiB": GIB, "GB": 10 ** 9, "MiB": MIB, "MB": 10 ** 6}[size.group(2)]
-        return GPU(text, int(float(size.group(1)) * unit), 0, None, "given")
+        number, unit = size.group(1), UNITS[size.group(2).lower()]
+        if len(number.partition(".")[0]) > 16 or float(number) * unit > LARGEST:
+            raise UsageError(f"--gpu={text}: this planner takes a GPU of at most {LARGEST // GIB:,} GiB")
+        return GPU(text, int(float(number) * unit), 0, None, "given")
+    if re.fullmatch(r"[-+.0-9eE]+\s*[A-Za-z]*", text.strip()):
+        raise UsageError(f"--gpu={text}: a size is a positive number and GiB, GB, MiB or MB (24GiB, 80GB), "
+                         f"or name a GPU of the table ({', '.join(GPUS)})")
     names = {name.lower(): name for name in GPUS}
     name = names.get(text.lower().replace(" ", ""))
     if name is None:
@@ -107,7 +114,7 @@ class Peaks:
     def __init__(self, cfg, world, micro_steps=1, befores=None):
         self.cfg, self.world, self.micro_steps = cfg, world, micro_steps
         self.befores = {} if befores is None else befores  # walks shared with the other shardings
-        self.ranks = list(range(world)) if cfg.shard in zero.STAGES else [0]
+        self.ranks = list(differing_ranks(cfg, world)) if cfg.shard in zero.STAGES else [0]
 
     def before(self, b):
         """step.Before at micro-batch b: the walk up to the optimizer step, the same on every rank (the
@@ -195,6 +202,21 @@ class Peaks:
         dynamic = max([self.before(b).peak_count for b in (2, 3)] + [counted for *_, counted in self.tails])
         count, large = max(static_storages(self.cfg, self.world, rank) for rank in self.ranks)
         return count + dynamic, large + dynamic
+
+
+def differing_ranks(cfg, world):
+    """The first ZeRO rank of each kind: ranks whose slices cut the same pieces (their lengths, matrix
+    or not, in order) hold and step alike, so one of them is walked. Most hold one piece of one matrix."""
+    return _first_of_each_kind(ls.param_sizes(cfg), tuple(len(s) >= 2 for s in ls.param_shapes(cfg)), world)
+
+
+@functools.lru_cache(maxsize=16)
+def _first_of_each_kind(sizes, matrices, world):
+    first = {}
+    for rank in range(world):
+        pieces = zero.Shards(sizes, world, rank).pieces()
+        first.setdefault((tuple((p.length, matrices[p.index]) for p in pieces), rank == world - 1), rank)
+    return tuple(sorted(first.values()))
 
 
 def _most(x, y, budget, limit):

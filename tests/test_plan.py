@@ -185,6 +185,11 @@ def test_the_command_prints_the_table_the_best_line_and_the_picture(tmp_path, ca
     (["--gpu=H10"], "the nearest is H100"),
     (["--gpu=300MiB"], "not more than the CUDA context"),
     (["--nproc=0"], "--nproc must be >= 1"),
+    (["--nproc=100000"], "--nproc must be <= 16384"),
+    (["--gpu=9000000000GiB"], "a GPU of at most 1,048,576 GiB"),
+    (["--gpu=1" + "0" * 400 + "GiB"], "a GPU of at most 1,048,576 GiB"),
+    (["--gpu=-5GiB"], "a size is a positive number and GiB, GB, MiB or MB"),
+    (["--gpu=24G"], "a size is a positive number and GiB, GB, MiB or MB"),
     (["--n_embd=100", "--n_head=3"], "n_head=3 does not divide n_embd=100"),
     (["--batch_size=4"], "does not apply"),
 ])
@@ -222,3 +227,18 @@ def test_gpu_check_carries_the_plans_cuda_check(tmp_path, capsys):
     text = "\n".join(plan_steps[0].figures())
     assert "the CUDA context 512 MiB" in text and "slack 32 MiB (bound 256 MiB)" in text and \
         "micro-batch 5 (predicted 11,811,160,064): out of memory, as planned" in text, text
+
+
+@pytest.mark.parametrize("shard", ["zero1", "zero2"])
+def test_one_rank_of_each_kind_is_walked_for_all(shard):
+    """Ranks whose slices cut the same pieces walk alike (lp.differing_ranks): the peak and the largest
+    micro-batch over them are those over every rank."""
+    cfg, world = Config(n_layer=2, n_embd=64, n_head=2, block_size=32, shard=shard, seed=3), 12
+    kinds = lp.Peaks(cfg, world)
+    every = lp.Peaks(cfg, world)
+    every.ranks = list(range(world))
+    assert len(kinds.ranks) < world, f"every one of the {world} ranks is a kind of its own: {kinds.ranks}"
+    for b in (1, 2, 5):
+        assert kinds.at(b)[0] == every.at(b)[0], f"b={b}: peak {kinds.at(b)} over the kinds, {every.at(b)} over all"
+    budget = kinds.at(4)[0]
+    assert kinds.largest(budget) == every.largest(budget) and kinds.storages() == every.storages()

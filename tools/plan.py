@@ -43,7 +43,8 @@ MAKE_NAMES = dict(n_layer="N_LAYER", n_embd="N_EMBD", n_head="N_HEAD", block_siz
 @dataclass
 class PlanOptions:
     gpu: str = key("H100", f"a GPU of the table ({', '.join(lp.GPUS)}) or a size such as 24GiB")
-    nproc: int = key(1, "GPUs, one data-parallel rank each (make plan NPROC=8)", at_least=1)
+    nproc: int = key(1, "GPUs, one data-parallel rank each (make plan NPROC=8); this planner's range: up to 16384",
+                     at_least=1, at_most=16384)
     mfu: float = key(lp.MFU, "the share of the GPU's peak FLOP/s the step time assumes, in (0, 1]", at_least=0.0)
     context_mib: int = key(lp.CONTEXT_MIB, "MiB the CUDA context takes outside PyTorch's allocator "
                                            "(make gpu-check measures it)", at_least=0)
