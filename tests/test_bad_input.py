@@ -392,6 +392,7 @@ def test_a_pipe_as_data_is_refused_without_reading_it(tmp_path, capsys):
     ("tools/ledger.py", "--cp=5", "--cp=5 must divide block_size=32"),
     ("tools/bench.py", "--resume", "the benchmark times fresh runs"),
     ("tools/bench.py", "--sections=everything", "--sections takes"),
+    ("tools/bench.py", "--compile", "the compile section compiles one of its two models itself"),  # before any row
 ])
 def test_programs_refuse_flags_they_would_ignore(program, flag, words, out_dir, capsys):
     before = listing(out_dir)

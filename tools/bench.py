@@ -74,7 +74,7 @@ class BenchOptions:
                         + " (fp8wide and fast are for GPUs: skipped on CPU)")
     steps: int = key(9, "timed optimizer steps per row (the median is reported)", at_least=1)
     warmup: int = key(2, "untimed steps before them", at_least=0)
-    rounds: int = key(9, "ckpt section: paired steps of ours and torch.utils.checkpoint's, in turn in one process",
+    rounds: int = key(9, "ckpt and compile sections: paired steps of the row's two models, in turn in one process",
                       at_least=1)
 
 
@@ -405,6 +405,8 @@ def run_sections(argv):
     device = train.pick_device(cfg)
     split_tokens(load_tokens(cfg.data), cfg.block_size)  # bad data fails here, not in a row
     check_writable(cfg.out_dir, "--out_dir")  # and an out_dir that cannot take the results, before any row runs
+    if "compile" in sections and cfg.compile:  # (its own process would refuse it, after the sections before it)
+        raise UsageError("the compile section compiles one of its two models itself: leave --compile out")
     ignored = given(argv) & {"resume", "sample_only", "memory_snapshot"}
     if ignored:
         raise UsageError(f"--{', --'.join(sorted(ignored))}: the benchmark times fresh runs, nothing else applies")
