@@ -20,7 +20,7 @@ def _convert(f, text):
             return True
         if text.lower() in ("0", "false", "no", "off"):
             return False
-        raise UsageError(f"--{f.name} expects true|false, got {text!r}")
+        raise UsageError(f"--{f.name} expects true or false (1/0, yes/no, on/off), got {text!r}")
     if f.type is float and text.lower().lstrip("+-") in ("inf", "infinity", "nan"):
         raise UsageError(f"--{f.name} must be a finite number, got {text!r}")
     if f.type in NUMBER and not NUMBER[f.type].fullmatch(text):

@@ -405,10 +405,9 @@ def run_sections(argv):
     device = train.pick_device(cfg)
     split_tokens(load_tokens(cfg.data), cfg.block_size)  # bad data fails here, not in a row
     check_writable(cfg.out_dir, "--out_dir")  # and an out_dir that cannot take the results, before any row runs
-    if "compile" in sections and cfg.compile:  # (its own process would refuse it, after the sections before it)
+    if "compile" in sections and cfg.compile:  # its own process would refuse it, but after the rows before it
         raise UsageError("the compile section compiles one of its two models itself: leave --compile out")
-    ignored = given(argv) & {"resume", "sample_only", "memory_snapshot"}
-    if ignored:
+    if ignored := given(argv) & {"resume", "sample_only", "memory_snapshot"}:
         raise UsageError(f"--{', --'.join(sorted(ignored))}: the benchmark times fresh runs, nothing else applies")
     fp8_error = fp8_gemm.fp8_matmul_error(device)
     if not fp8_error and cfg.n_embd % 16:

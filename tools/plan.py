@@ -55,6 +55,9 @@ def options(argv):
     cfg, opts = cli.parse_args(argv, PlanOptions)
     named = cli.given(argv)
     ignored = named - APPLIES - {f.name for f in fields(PlanOptions)}
+    if "compile" in ignored:
+        raise UsageError("--compile: the plan walks the eager step; compiled blocks keep what their partitioner "
+                         "chooses (make ledger COMPILE=1 measures it)")
     if ignored:
         raise UsageError(f"--{', --'.join(sorted(ignored))}: the plan walks one step of the shape it is given "
                          f"and finds the micro-batch itself, this does not apply")
@@ -196,7 +199,7 @@ def program(argv):
     print(f"step = (model + recompute FLOPs) per GPU / ({peak_source} x MFU {opts.mfu:.0%}); fp8: the blocks' "
           f"Linears' forward at FP8's peak, the rest at BF16's" if peak_source else
           "step time: no FLOP/s for a GPU given by its size (PEAK_FLOPS=... gives one): sorted by recompute, bytes")
-    print(f"\n{len(fits)} configurations fit, fastest first (peak: the highest rank's, walked op by op: on CPU what "
+    print(f"\n{len(fits)} configurations fit, {'fastest first' if peak_source else 'least recompute first'} (peak: the highest rank's, walked op by op: on CPU what "
           f"ledger/measure.py measures; ~: fsdp, the textbook ZeRO-3 walk, an estimate; sent: what a step's "
           f"collectives move per rank, the ZeRO paper's volume):")
     print("\n".join(table(rows)))
