@@ -4,6 +4,7 @@ A tool, split from tools/ledger.py (which decides what to measure and check) so 
 stays short: this file turns rows into text and a picture.
 """
 import traceback
+from html import escape
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +75,7 @@ def svg(rows, title):
     H = head + len(rows) * (bar + gap) + 40
     scale = (W - left - 120) / top
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
-           f'<text x="10" y="20" font-size="14" font-weight="bold">{_esc(title)}</text>']
+           f'<text x="10" y="20" font-size="14" font-weight="bold">{escape(title)}</text>']
     x = 10
     for k in KEYS:
         out.append(f'<rect x="{x}" y="30" width="12" height="12" fill="{COLORS[k]}"/>'
@@ -82,7 +83,7 @@ def svg(rows, title):
         x += 120
     for i, (name, c, how) in enumerate(rows):
         y = head + i * (bar + gap)
-        out.append(f'<text x="{left - 6}" y="{y + 13}" text-anchor="end">{_esc(name)}'
+        out.append(f'<text x="{left - 6}" y="{y + 13}" text-anchor="end">{escape(name)}'
                    f'{"" if how == "measured" else " *"}</text>')
         x = left
         for k in KEYS:
@@ -94,10 +95,6 @@ def svg(rows, title):
     out.append(f'<text x="10" y="{H - 12}">* computed from formulas (not run here at this shape); the rest measured. '
                f'Bytes per GPU.</text></svg>')
     return "\n".join(out) + "\n"
-
-
-def _esc(text):
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def in_words(e):

@@ -18,6 +18,7 @@ what tests/test_plan.py holds to ledger/measure.py. Writes OUT_DIR/plan.svg. Bad
 """
 import sys
 import time
+from html import escape
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -149,31 +150,27 @@ def svg(rows, title):
     top = max([r.peak for r in rows] + [r.states for r in rows] + [r.budget for r in rows]) or 1
     scale = (W - left - 140) / top
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
-           f'<text x="10" y="20" font-size="14" font-weight="bold">{_esc(title)}</text>',
+           f'<text x="10" y="20" font-size="14" font-weight="bold">{escape(title)}</text>',
            '<rect x="10" y="32" width="12" height="12" fill="#4e79a7"/><text x="26" y="42">states, buffers, batch '
            '(all step)</text><rect x="230" y="32" width="12" height="12" fill="#59a14f"/><text x="246" y="42">'
            'activations and the rest, at the peak</text>']
     for i, r in enumerate(rows):
         y = head + i * (bar + gap)
         label = f"{r.ckpt}, {r.shard}"
-        out.append(f'<text x="{left - 6}" y="{y + 12}" text-anchor="end">{_esc(label)}</text>')
+        out.append(f'<text x="{left - 6}" y="{y + 12}" text-anchor="end">{escape(label)}</text>')
         states, rest = min(r.states, top), max(0, r.peak - r.states)
         out.append(f'<rect x="{left}" y="{y}" width="{states * scale:.1f}" height="{bar}" fill="#4e79a7"/>')
         out.append(f'<rect x="{left + states * scale:.1f}" y="{y}" width="{rest * scale:.1f}" height="{bar}" '
                    f'fill="#59a14f"/>')
         note = f"b={r.b} K={r.accum}{' (estimate)' if r.estimate else ''}" if not r.why else r.why.split(" (")[0]
         end = left + max(r.peak, r.states) * scale
-        out.append(f'<text x="{end + 4:.1f}" y="{y + 12}">{_esc(note)}</text>')
+        out.append(f'<text x="{end + 4:.1f}" y="{y + 12}">{escape(note)}</text>')
     x = left + rows[0].budget * scale
     out.append(f'<line x1="{x:.1f}" y1="{head - 6}" x2="{x:.1f}" y2="{H - 34}" stroke="#e15759" stroke-width="2"/>'
                f'<text x="{x + 4:.1f}" y="{H - 22}" fill="#e15759">the budget per GPU</text>')
     out.append(f'<text x="10" y="{H - 8}">bytes per GPU at each row\'s micro-batch (b=1 where nothing fits); '
                f'ledger/plan.py, make plan</text></svg>')
     return "\n".join(out) + "\n"
-
-
-def _esc(text):
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def program(argv):
