@@ -34,9 +34,10 @@ def cache_folder_error():
     """Why torch could not make its compile cache folder (TORCHINDUCTOR_CACHE_DIR), or None. Not only
     COMPILE needs it: torch.optim imports torch._dynamo, which makes the folder at import."""
     folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder:
+        return None
     try:
-        if folder:
-            os.makedirs(folder, exist_ok=True)
+        os.makedirs(folder, exist_ok=True)
     except OSError as e:
         why = "a file, not a folder" if os.path.exists(folder) and not os.path.isdir(folder) else e.strerror
         return f"TORCHINDUCTOR_CACHE_DIR={folder}: {why}; torch keeps its compile cache there " \

@@ -125,10 +125,10 @@ def closed_form_rows(cfg):
     if sdpa and cfg.ckpt == "none":
         formula = "L x 34sbh" if dropout else "L x 32sbh"
     kept = n_plain + n_core  # blocks that keep their insides
-    norms = sum(t.nbytes for t in ml.block_activation_terms(cfg) if t.role == ml.NORM) - 2 * e * sbh
-    masks = (kept * 2 * sbh + (0 if sdpa else n_plain * z.a * z.s * sb)) * dropout  # the paper's 1-byte masks
     terms = [t for t in ml.block_activation_terms(cfg) if t.role == ml.NORM]
+    norms = sum(t.nbytes for t in terms) - 2 * e * sbh
     others = [t.name for t in terms if not (t.name.endswith(" input") and t.nbytes == e * sbh)]  # not the paper's
+    masks = (kept * 2 * sbh + (0 if sdpa else n_plain * z.a * z.s * sb)) * dropout  # the paper's 1-byte masks
     differences = [(f"the norms keep {', '.join(others)} (the paper: their inputs only)", kept * norms),
                    ("outside the blocks: embeddings, ln_f, the head's input and FP32 log-softmax",
                     sum(t.nbytes for t in ml.outside_terms(cfg))),

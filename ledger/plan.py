@@ -84,7 +84,7 @@ def find_gpu(text):
     size = SIZE.fullmatch(text.replace(" ", ""))
     if size:
         number, unit = size.group(1), UNITS[size.group(2).lower()]
-        if len(number.partition(".")[0]) > 16 or float(number) * unit > LARGEST:
+        if float(number) * unit > LARGEST:  # (a number past float's range is inf: refused too)
             raise UsageError(f"--gpu={text}: this planner takes a GPU of at most {LARGEST // GIB:,} GiB")
         return GPU(text, int(float(number) * unit), 0, None, "given")
     if re.fullmatch(r"[-+.0-9eE]+\s*[A-Za-z]*", text.strip()):
