@@ -56,7 +56,7 @@ def accumulation_step(model, parts, micro_batches, loss_norm="mean", use_no_sync
         if log_weights[i]:  # a tensor, not .item(): on a GPU that would stall the queue each micro-step
             total_loss = total_loss + loss.detach().float() * log_weights[i]
     stepped, grad_norm = optimizer_step(parts, ddp, across_ranks)
-    return float(total_loss), stepped, grad_norm
+    return precision.host_value(total_loss, assumed=float("nan")), stepped, grad_norm
 
 
 def optimizer_step(parts, ddp=False, across_ranks=False):

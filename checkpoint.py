@@ -24,7 +24,7 @@ import torch
 import torch.utils.checkpoint
 
 from config import UsageError
-from model import AttentionCore, run_blocks_in_order
+from model import run_blocks_in_order
 from snapshot import rng_state, set_rng_state
 
 
@@ -75,7 +75,7 @@ def naive_recompute(fn, *args, contexts=None, stop_early=True):
 #   unit and backpropagates through all of it; the real one re-runs in the output node, hands the
 #   gradients on and lets the unit's own nodes run in the same backward, each freeing as it goes;
 # - the naive re-run recomputes the unit's last ops, whose outputs nothing saved; the real one
-#   stops once the last saved tensor is made (the early stop: fewer FLOPs, `recompute_flops_per_token`);
+#   stops once the last saved tensor is made (the early stop: fewer FLOPs, flops.per_token counts them);
 # - the naive backward is a second backward inside the first: gradients reach the parameters from a
 #   nested graph, which FSDP's per-block hooks do not follow (config.py refuses it under FSDP).
 
@@ -385,30 +385,3 @@ def _unit_runner(units, contexts, recompute_fn):
             i = starts[i][-1] + 1
         return x
     return run
-
-
-def recompute_flops_per_token(model, policy, stop_early=True):
-    """Forward FLOPs per token that recomputation adds: counted in HFU, not in MFU.
-
-    A recomputed unit runs its forward again: 2 FLOPs per matmul weight per token, plus, where it holds
-    the attention core, QK^T and @V, 2 x 2*s*h. With the early stop a unit's last op is not re-run when
-    nothing after it saves: a core's att @ v, or a unit's last Linear (by module order) where no dropout
-    follows it (a plain nn.Linear: fp8's Function saves after it has run). Elementwise work is not
-    counted (nor does FlopCounterMode count it).
-    """
-    c, n = model.cfg, len(model.h)
-    core = 4 * c.block_size * c.n_embd
-    linears = lambda module: [m for m in module.modules() if getattr(m, "weight", torch.ones(1)).dim() == 2]  # noqa
-    units = [[model.h[i] for i in unit] for unit in policy.block_units(n)] + \
-        [[model.h[i].get_submodule(path)] for i, path in policy.own_submodules(n)]
-    total = 0
-    for modules in units:
-        cores = sum(isinstance(m, AttentionCore) for module in modules for m in module.modules())
-        total += sum(2 * m.weight.numel() for module in modules for m in linears(module)) + core * cores
-        if not stop_early:
-            continue
-        if len(modules) == 1 and isinstance(modules[0], AttentionCore):
-            total -= core // 2  # att @ v: its inputs are the last tensors the core saves
-        elif linears(modules[-1]) and type(linears(modules[-1])[-1]) is torch.nn.Linear and not c.dropout:
-            total -= 2 * linears(modules[-1])[-1].weight.numel()
-    return total

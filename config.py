@@ -96,7 +96,7 @@ class Config:
     ckpt_impl: str = key("hooks", "the recompute: hooks (saved-tensor hooks, as PyTorch's) or naive (the textbook "
                                   "autograd Function, checkpoint.NaiveRecompute)", CKPT_IMPLS)
     # compilation (train.py)
-    compile: bool = key(False, "torch.compile each block on its own (train.compile_blocks); the mechanisms stay eager")
+    compile: bool = key(False, "torch.compile each block on its own (build.compile_blocks); the mechanisms stay eager")
     # logging, evaluation, snapshots (train.py)
     log_interval: int = key(10, "steps between progress lines", at_least=1)
     eval_interval: int = key(100, "steps between validation losses", at_least=1)

@@ -1,37 +1,33 @@
 """MFU and HFU: how much of the machine's peak FLOP/s the training step uses.
 
 Chapter section 3's cost side ("full checkpointing costs about 33% more compute"): MFU counts the
-model's FLOPs only (model.GPT.flops_per_token), HFU adds the FLOPs that recompute spends again
-(checkpoint.recompute_flops_per_token). Read first: `utilization`.
+model's FLOPs only, HFU adds the FLOPs that recompute spends again. Read first: `per_token` (model.py's
+forward and backward run on fake tensors, no memory and no time, and `Counted` counts each matmul's
+FLOPs by torch's own formulas), then `utilization`. An edit to model.py moves them with it.
 """
+import dataclasses
 import functools
 import time
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
-# dense TFLOP/s per GPU (the sparse figures are twice these), from NVIDIA's datasheets (SXM parts) and, for
-# the RTX 4090, the Ada whitepaper's appendix (FP32 accumulate); fp32 is plain FP32 (TF32 is not enabled
-# here); None: no such units. Keyed by a word of torch.cuda.get_device_name
-CUDA_PEAK_TFLOPS = {
-    "H200": {"fp32": 67, "bf16": 989, "fp16": 989, "fp8": 1979},  # H200 datasheet: the H100 SXM's compute
-    "H100": {"fp32": 67, "bf16": 989, "fp16": 989, "fp8": 1979},  # H100 SXM datasheet
-    "A100": {"fp32": 19.5, "bf16": 312, "fp16": 312, "fp8": None},  # A100 datasheet: no FP8 tensor cores
-    "L40S": {"fp32": 91.6, "bf16": 362.05, "fp16": 362.05, "fp8": 733},  # L40S datasheet
-    "4090": {"fp32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3},  # GeForce RTX 4090
-    "L4": {"fp32": 30.3, "bf16": 121, "fp16": 121, "fp8": 242.5},  # L4 datasheet
-}
-
+import checkpoint
+import model as model_py
+from ledger import gpus
+from model import GPT
 
 def peak_flops(cfg, recipe, device):
-    """FLOP/s that MFU is measured against: cfg.peak_flops, a table on CUDA, or measured on CPU."""
+    """FLOP/s that MFU is measured against: cfg.peak_flops, the GPU's dense peak (ledger/gpus.py, each figure
+    with its source), or measured on CPU."""
     if cfg.peak_flops > 0:
         return cfg.peak_flops
     if device.type == "cuda":
-        words = torch.cuda.get_device_name(device).replace("-", " ").split()
-        for name, table in CUDA_PEAK_TFLOPS.items():
-            if name in words:
-                return (table[recipe.name] or 0.0) * 1e12
-        return 0.0  # unknown GPU (or no units for this precision): MFU not shown
+        name = gpus.of_device(torch.cuda.get_device_name(device))
+        table = gpus.tflops(name) if name else None
+        return (table[recipe.name] or 0.0) * 1e12 if table else 0.0  # unknown GPU, or no such units: no MFU
     return _cpu_peak(recipe.param_dtype)
 
 
@@ -51,6 +47,68 @@ def _cpu_peak(dtype):
         torch.nn.functional.linear(x, w, b)
         best = min(best, time.perf_counter() - t0)
     return 2 * 2048 * n * n / best
+
+
+def _attention(query, key, value, *rest, out_val=None, backward=False, **kwargs):
+    """CPU's fused attention, which torch's table leaves out: QK^T and its product with V, 2 x 2bas_qs_kd
+    FLOPs forward (causal or not, as the table counts CUDA's kernels), twice that backward."""
+    if backward:  # (grad_out, query, key, value, ...)
+        query, key, value = key, value, rest[0]
+    b, a, s_q, d = query.shape
+    return 4 * b * a * s_q * key.shape[-2] * d * (2 if backward else 1)
+
+
+CPU_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention,
+                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                     functools.partial(_attention, backward=True)}
+
+
+class Counted(TorchDispatchMode):
+    """FLOPs of what runs inside, op by op, by the formulas torch's FlopCounterMode counts with (torch.
+    utils.flop_counter.flop_registry: matmuls and attention; elementwise ops count none), and per op.
+    A mode of its own: FlopCounterMode's module hooks would change what autograd keeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.total, self.by_op = 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        count = flop_registry.get(func._overloadpacket) or CPU_ATTENTION.get(func._overloadpacket)
+        if count is not None:
+            n = count(*args, **(kwargs or {}), out_val=out)
+            name = func._overloadpacket.__name__
+            self.total, self.by_op[name] = self.total + n, self.by_op.get(name, 0) + n
+        return out
+
+
+_COUNTED = {}  # (config, stop_early, what model.py holds) -> FLOPs per token: a run asks once
+
+
+def _counted(cfg, stop_early):
+    key = (repr(cfg), stop_early, tuple(id(v) for v in vars(model_py).values()),
+           tuple(id(f) for v in vars(model_py).values() if isinstance(v, type) for f in vars(v).values()))
+    if key not in _COUNTED:
+        _COUNTED[key] = _count(cfg, stop_early)
+    return _COUNTED[key]
+
+
+def _count(cfg, stop_early):
+    with FakeTensorMode():  # an FP32 model, as built: the FLOPs are the same in every precision
+        model = GPT(cfg)
+        checkpoint.apply_policy(model, checkpoint.policy(cfg), stop_early=stop_early)
+        x = torch.zeros(1, cfg.block_size, dtype=torch.long)
+        with Counted() as counted:
+            model(x, x)[1].backward()
+    return counted.total / cfg.block_size
+
+
+def per_token(cfg, stop_early=True):
+    """(model FLOPs, the FLOPs recompute adds) per token of a training step: model.py forward and backward
+    on one sequence of fake tensors, counted without recompute and with cfg's policy (stop_early: its
+    re-runs stop after a unit's last saved tensor, checkpoint.rerun_stops_early)."""
+    model_flops = _counted(dataclasses.replace(cfg, ckpt="none", ckpt_segment=0, ckpt_impl="hooks"), True)
+    return model_flops, _counted(cfg, stop_early) - model_flops
 
 
 def utilization(tokens_per_s_per_device, flops_per_token, peak):

@@ -14,8 +14,10 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
 try:  # public since torch 2.6; an older torch runs every SHARD but this one (apply_fsdp says so)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 except ImportError:
     fully_shard = None
@@ -37,9 +39,10 @@ def apply_fsdp(model, recipe):
     # 16-bit precisions: gathered in that dtype for compute, gradients reduced in fp32; fp32: as is
     mixed = MixedPrecisionPolicy(param_dtype=recipe.param_dtype, reduce_dtype=torch.float32) \
         if recipe.master_weights else MixedPrecisionPolicy()
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))  # all the ranks
     for block in model.h:
-        fully_shard(block, mp_policy=mixed)
-    fully_shard(model, mp_policy=mixed)
+        fully_shard(block, mesh=mesh, mp_policy=mixed)
+    fully_shard(model, mesh=mesh, mp_policy=mixed)
     model.no_sync = partial(no_sync, model)  # ddp's name: accumulate.py asks any model for no_sync()
     sharded_snapshot.whole_model_state(model, recipe.param_dtype)  # snapshot.py sees whole tensors, as ddp's
     return model

@@ -115,10 +115,6 @@ class GPT(nn.Module):
                 elif name == "bias":
                     nn.init.zeros_(p)
 
-    def num_params(self, non_embedding=True):
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
-
     def forward(self, idx, targets=None):
         B, T = idx.shape
         if T > self.cfg.block_size:
@@ -133,15 +129,6 @@ class GPT(nn.Module):
         # cross entropy in fp32: a 16-bit log-softmax over the vocabulary loses the small terms
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
         return logits, loss
-
-    def flops_per_token(self):
-        """Model FLOPs per token for forward + backward (PaLM appendix B): 6 per matmul
-        weight (2 forward, 4 backward) plus the attention core's 12 * L * h * s.
-        Matmul weights are the 2-D parameters except wpe, which is a lookup; wte counts
-        once, as the output head. Biases and LayerNorms are elementwise, not counted."""
-        c = self.cfg
-        matmul_params = sum(p.numel() for p in self.parameters() if p.dim() == 2) - self.wpe.weight.numel()
-        return 6 * matmul_params + 12 * c.n_layer * c.n_embd * c.block_size
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):

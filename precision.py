@@ -16,6 +16,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 import fp8
 from backends import fp8_gemm, fp8_refined, fp8_te
@@ -26,6 +27,12 @@ from model import default_linear
 # ---------------------------------------------------------------- master weights + optimizer
 
 NORM_CHUNK = 1 << 20  # elements: the FP64 copy a norm makes of its input stays 8 MiB
+
+
+def host_value(t, assumed):
+    """float(t): a host sync. A fake tensor (the ledger's trace, ledger/trace.py: shapes, no values) has no
+    value; it stands for `assumed`, which the caller states."""
+    return assumed if is_fake(t) else float(t)
 
 
 def squared_sum(grads):
@@ -67,8 +74,9 @@ class MasterWeightOptimizer:
         grads = [g.to(m.dtype) if g is not None else torch.zeros_like(m) for g, m in zip(grads, self.master_params)]
         if loss_scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-        # one reduction, one host sync: the norm is inf/NaN exactly when some element is
-        grad_norm = self.global_norm(grads).item()
+        # one reduction, one host sync: the norm is inf/NaN exactly when some element is. A traced step
+        # assumes a finite norm under the clip: it steps (clipping would scale in place: no bytes either way)
+        grad_norm = host_value(self.global_norm(grads), assumed=0.0)
         if not math.isfinite(grad_norm):
             return False, grad_norm
         if self.grad_clip > 0 and grad_norm > self.grad_clip:

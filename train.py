@@ -1,13 +1,12 @@
-"""The trainer: build the run, the DDP lifecycle, the loop, evaluation, sampling.
+"""The trainer: the DDP lifecycle, the loop, evaluation, sampling.
 
 Chapter: all of it, run end to end. Read first: `train_loop`, which calls accumulate.py once per
-optimizer step, then `build` (the precision recipe, the model, the recompute policy and the optimizer,
+optimizer step, then build.py (the precision recipe, the model, the recompute policy and the optimizer,
 each decided once). `python train.py --precision=bf16 --ckpt=full --accum=4`; under torchrun, DDP.
 Model save/resume is a *snapshot* here (snapshot.py); checkpoint.py is activation checkpointing.
 """
 import dataclasses
 import gc
-import inspect
 import math
 import os
 import signal
@@ -24,83 +23,15 @@ import torch
 import torch.distributed as dist
 
 import accumulate
-import checkpoint
 import config
-import fp8
-import fsdp
-import precision
 import snapshot
-import zero
+from build import build, pick_device, wrap_ddp  # noqa: F401  (the tools and the tests build through train)
 from config import RunError, UsageError
 from data import Batches
 from guards import clean_end, cli, snapshot_fields
 from guards.compiling import eagerly
 from guards.preflight import check_saved_policy, preflight, resolve_accum, scaler_asked_anew
-from ledger import run as ledger_run
-from model import GPT
-
-def pick_device(cfg, local_rank=0):
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise UsageError("--device=cuda but no CUDA device is available")
-        if local_rank >= (gpus := torch.cuda.device_count()):  # one rank per GPU: cuda:1 of one GPU is a traceback
-            raise UsageError(f"LOCAL_RANK={local_rank}, but this machine has {gpus} CUDA device(s): start at most "
-                             f"{gpus} process(es) per node (make ddp NPROC={gpus}, torchrun --nproc_per_node={gpus})")
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def build(cfg, device=None):
-    """(model, accumulate.StepParts) for cfg: the model in its precision, with its recompute
-    policy, and everything an optimizer step needs. Used by the loop, the tools and the tests."""
-    device = device or pick_device(cfg)
-    ledger_run.check_fits(cfg, device)  # a shape this machine cannot hold is refused before it is built
-    recipe = precision.recipe(cfg)
-    try:
-        recipe.check_device(device)
-        torch.manual_seed(cfg.seed)
-        model = GPT(cfg, linear_factory=recipe.linear_factory())
-        sharded = cfg.shard == "fsdp"  # FSDP2 keeps FP32 shards (the master weights), casts per block
-        model.to(device=device, dtype=torch.float32 if sharded else recipe.param_dtype)
-        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts,
-                                recompute_fn=checkpoint.IMPLEMENTATIONS[cfg.ckpt_impl],
-                                stop_early=checkpoint.rerun_stops_early(cfg, recipe))
-        if cfg.compile:
-            compile_blocks(model)  # before FSDP and DDP wrap the model, as PyTorch documents
-        if sharded:
-            fsdp.apply_fsdp(model, recipe)
-        optimizer = make_optimizer(cfg, model, recipe)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    buffers = accumulate.fp32_grad_buffers(model.parameters()) if cfg.fp32_grad_accum and recipe.master_weights \
-        else None
-    parts = accumulate.StepParts(recipe=recipe, scaler=recipe.loss_scaler(), optimizer=optimizer,
-                                 grad_buffers=buffers, fp8_layers=fp8.layers(model))
-    return model, parts
-
-
-def compile_blocks(model):
-    """COMPILE: each block compiled on its own, in place; the policy's units run compiled blocks (torchtitan's
-    order). A submodule unit stays eager: traced, our hooks give its backward wrong tensors (docs/compile.md)."""
-    for block in model.h:
-        for module in block.modules():
-            if "forward" in module.__dict__:  # checkpoint.apply_policy's recompute of a submodule unit
-                module.forward = torch.compiler.disable(module.forward)
-        block.compile()
-
-
-def make_optimizer(cfg, model, recipe):
-    """The optimizer SHARD asks for, with the update rule OPTIMIZER names (precision.OPTIMIZERS): on an
-    FP32 master copy of the whole model (none: DDP keeps it on every rank), or of this rank's slice
-    only (zero1, zero2: zero.py), or on this rank's FP32 shards, which are the master weights (fsdp)."""
-    spec, settings = precision.optimizer_spec(cfg), dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                                         grad_clip=cfg.grad_clip)
-    if cfg.shard in zero.STAGES:
-        return zero.ShardedOptimizer(model.parameters(), recipe.master_weights, spec, zero.STAGES[cfg.shard],
-                                     **settings)
-    if cfg.shard == "fsdp":
-        return fsdp.ShardOptimizer(model.parameters(), recipe.master_weights, spec, **settings)
-    return precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, spec, **settings)
+from guards.report import Report
 
 
 # ---------------------------------------------------------------- the loop
@@ -160,17 +91,6 @@ def train_ddp(cfg, log, accum, device, start):
         dist.destroy_process_group()
 
 
-def wrap_ddp(model, device):
-    from torch.nn.parallel import DistributedDataParallel
-    # no buffer sync per forward: FP8's per-step amax stays each rank's own until fp8.fold_amax takes the
-    # max over ranks (torch 2.13 renames broadcast_buffers forward_sync_buffers)
-    no_buffer_sync = ({"forward_sync_buffers": False}
-                      if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                      else {"broadcast_buffers": False})
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   **no_buffer_sync)
-
-
 def train_loop(cfg, log, accum, rank, device, world_size, start):
     """The loop: per optimizer step the learning rate, K micro-batches, one accumulation_step, then
     evaluation and snapshots when due. `report` says what the run does; `guard` stops it cleanly."""
@@ -182,7 +102,7 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
     start_step = resume(cfg, snap, model, parts, batches, rank, world_size, device, log) if snap else 0
     run_model = wrap_ddp(model, device) if world_size > 1 and cfg.shard == "none" else model  # ZeRO, FSDP: no wrapper
     master, every_rank = rank == 0, cfg.shard == "fsdp"  # FSDP's forward gathers: evaluation is a collective
-    report = ledger_run.Report(cfg, model, parts, device, world_size, accum, start_step,
+    report = Report(cfg, model, parts, device, world_size, accum, start_step,
                                (len(train_tokens), len(val_tokens)), log, rank)
     probe_batch = Batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.seed, device).next()
     guard = clean_end.Guard(cfg, model, parts, probe_batch, device, world_size, Path(cfg.out_dir) / snapshot.FILE,

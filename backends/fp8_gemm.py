@@ -15,9 +15,15 @@ GEMM has two implementations and a page of rules that fp8.py's readers need not 
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 E4M3 = getattr(torch, "float8_e4m3fn", None)  # forward: 3 mantissa bits, max 448
 E5M2 = getattr(torch, "float8_e5m2", None)  # gradients (TE's HYBRID): 2 mantissa bits, max 57344
+
+
+def on_gpu(t):
+    """Whether t's GEMMs take the GPU's path (ledger/trace.py says yes for a trace of a GPU's step on CPU)."""
+    return t.device.type == "cuda"
 
 
 def fp8_max(dtype):
@@ -25,10 +31,17 @@ def fp8_max(dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _value_table(fp8_dtype, device):
+def _real_table(fp8_dtype, device):
+    with unset_fake_temporarily():  # a constant, made once, real (a fake one would outlive its trace)
+        return torch.arange(256, dtype=torch.uint8, device=device).view(fp8_dtype).float()
+
+
+def _value_table(fp8_dtype, device, like):
     """The 256 values an FP8 byte can hold, in FP32: on CPU, looking values up in a table is
-    ~6x faster than torch's FP8-to-BF16 conversion, and gives the same (exact) values."""
-    return torch.arange(256, dtype=torch.uint8, device=device).view(fp8_dtype).float()
+    ~6x faster than torch's FP8-to-BF16 conversion, and gives the same (exact) values. For the
+    ledger's trace (`like` a fake tensor) the same table, as a fake one."""
+    table = _real_table(fp8_dtype, device)
+    return like.fake_mode.from_tensor(table) if is_fake(like) else table
 
 
 def _look_up(table, q):
@@ -41,17 +54,17 @@ def _look_up(table, q):
 
 def fp8_values(q, dtype):
     """The values of FP8 tensor q, exactly, as `dtype` (BF16 or wider): no scale applied."""
-    if q.device.type == "cuda":
+    if on_gpu(q):
         return q.to(dtype)
-    return _look_up(_value_table(q.dtype, q.device).to(dtype), q)
+    return _look_up(_value_table(q.dtype, q.device, q).to(dtype), q)
 
 
 def dequantize(q, scale, dtype):
     """q / scale as `dtype`: each FP8 value divided by the scale in FP32, rounded once to dtype.
     On CPU the 256 possible results are computed once and looked up (the same bits)."""
-    if q.device.type == "cuda":
+    if on_gpu(q):
         return (q.float() / scale).to(dtype)
-    return _look_up((_value_table(q.dtype, q.device) / scale).to(dtype), q)
+    return _look_up((_value_table(q.dtype, q.device, q) / scale).to(dtype), q)
 
 
 def column_major(t):
@@ -94,13 +107,14 @@ def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, fast_
     why = scaled_mm_error(a, b, scale_a, scale_b, bias, out_dtype)
     if why:
         raise ValueError(f"FP8 GEMM: {why} (torch._scaled_mm on CUDA refuses it)")
-    if a.device.type == "cuda":
+    if on_gpu(a):
         out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
                                use_fast_accum=fast_accum)
         return out[0] if isinstance(out, tuple) else out  # torch < 2.5 returned (out, amax)
     # BF16 operands for a BF16 result, FP32 otherwise (a BF16 sum would lose FP16's or FP32's bits)
     compute = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
-    alpha = (scale_a * scale_b).item()  # CPU: no device to wait for
+    alpha = scale_a * scale_b  # CPU: no device to wait for; a fake tensor (the ledger's trace) has no value
+    alpha = 1.0 if is_fake(alpha) else alpha.item()
     start = bias.to(compute) if bias is not None else torch.zeros((), dtype=compute)
     out = torch.addmm(start, fp8_values(a, compute), fp8_values(b, compute), beta=1 if bias is not None else 0,
                       alpha=alpha)

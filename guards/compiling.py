@@ -1,7 +1,7 @@
 """What COMPILE=1 needs around the compiled blocks: the checks before a run, and `eagerly`.
 
-Chapter: none (torch.compile is beside the chapter's mechanisms, train.compile_blocks). Read
-train.compile_blocks first, then `compile_error` (what must be installed: the preflight asks it
+Chapter: none (torch.compile is beside the chapter's mechanisms, build.compile_blocks). Read
+build.compile_blocks first, then `compile_error` (what must be installed: the preflight asks it
 on every rank before anything is built), then `eagerly`. docs/compile.md has the measurements.
 """
 import functools

@@ -4,6 +4,7 @@ Chapter: none; it is why bad input costs nothing. Read first: `preflight` (calle
 train.train on every rank before any process group exists, so a refusal is one line on
 each rank and no rank waits for another), then `resolve_accum`.
 """
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -12,8 +13,9 @@ import torch
 
 import accumulate
 import checkpoint
+import memory_ledger
 from guards import clean_end as guard
-from ledger import run as ledger_run
+from ledger import trace
 import precision
 import snapshot
 from guards import compiling, files
@@ -23,6 +25,10 @@ from config import UsageError
 from data import load_tokens, split_tokens
 from model import GPT, default_linear
 from guards.data_files import host_memory_available
+from guards.report import MEMORY_HISTORY
+
+GiB = 2 ** 30
+TRACED_LAYERS = 96  # deeper, check_fits takes the closed forms alone: a trace's time grows with the depth
 
 # K micro-step gradients, each 1/K of the step's, add up in FP32 at best (a 24-bit significand):
 # past 2^24 micro-steps each one is below half an FP32 ulp of the sum and adds nothing
@@ -80,7 +86,7 @@ def preflight(cfg, device, rank, held):
                          f"it with torchrun (make ddp NPROC=2 SHARD={cfg.shard})")
     if cfg.memory_snapshot and device.type != "cuda":
         raise UsageError("--memory_snapshot records the CUDA allocator's history: it needs a CUDA device")
-    ledger_run.check_fits(cfg, device)
+    check_fits(cfg, device)
     if cfg.compile and (why := compiling.compile_error(device)):
         raise UsageError(why)
     try:
@@ -101,7 +107,7 @@ def preflight(cfg, device, rank, held):
         snapshot_fields.check_same_model(snap, cfg, precision.recipe(cfg).fp8 is not None, path)
         snapshot_fields.check_model_state(snap, meta_model(cfg), path)
     if rank == 0:  # what a killed run of ours left in out_dir goes
-        files.remove_stale_temps(cfg.out_dir, (snapshot.FILE, files.PROBE, ledger_run.MEMORY_HISTORY))
+        files.remove_stale_temps(cfg.out_dir, (snapshot.FILE, files.PROBE, MEMORY_HISTORY))
     return snap, *tokens
 
 
@@ -153,3 +159,50 @@ def check_saved_policy(snap, path):
         checkpoint.policy(snapshot_fields.saved_config(snap))
     except UsageError as e:
         raise UsageError(f"snapshot {path} is not usable: its config: {e}") from None
+
+
+# ---------------------------------------------------------------- will this run fit?
+
+def check_fits(cfg, device):
+    """Raise UsageError when a step's peak exceeds what this device has free (CPU: available memory shared
+    by this node's ranks): refused before anything is built. The chapter's closed forms first, in O(1)
+    (16 bytes a parameter, the layers' activations, the head's); where they come within a factor of 2 of
+    what is free, the traced step of this run (ledger/trace.py: model.py on fake tensors, seconds at a large
+    shape)."""
+    if device.type == "cuda":
+        free, where = torch.cuda.mem_get_info(device)[0], f"free on {torch.cuda.get_device_name(device)}"
+    else:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        free = host_memory_available() // ranks
+        where = "of memory available" + (f" per rank ({ranks})" if ranks > 1 else "")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    ledger_cfg = dataclasses.replace(cfg, device=device.type)
+    try:
+        need, how = closed_form_need(ledger_cfg, world), "the chapter's closed forms"
+        if free / 2 < need <= 2 * free and cfg.n_layer <= TRACED_LAYERS:  # near the line: the trace says exactly
+            need, how = traced(ledger_cfg, world, 2 if cfg.accum > 1 or cfg.total_batch_tokens else 1)["peak"], \
+                "the traced step"
+    except Exception:  # noqa: BLE001  (the learner's model, failing here: make ledger says why; the run goes on)
+        return
+    if need > free:
+        raise UsageError(f"this shape needs about {need / GiB:,.1f} GiB for one step ({how}), "
+                         f"{free / GiB:,.1f} GiB {where}: make it smaller")
+
+
+def closed_form_need(cfg, world=1):
+    """Bytes of a step by the chapter's closed forms: the states per rank (ZeRO's division by SHARD),
+    every layer's activations and the head's (memory_ledger.py), P from model.py on the meta device."""
+    with torch.device("meta"):  # one block and two: blocks are alike (a deep model's modules take minutes to make)
+        one, two = (sum(p.numel() for p in GPT(dataclasses.replace(cfg, n_layer=n)).parameters()) for n in (1, 2))
+    P = one + (cfg.n_layer - 1) * (two - one)
+    stage = {"none": 0, "zero1": 1, "zero2": 2, "fsdp": 3}[cfg.shard]
+    recipe = precision.recipe(cfg)
+    e, s, b, h, a = recipe.element_bytes, cfg.block_size, cfg.batch_size, cfg.n_embd, cfg.n_head
+    return memory_ledger.zero_bytes_per_rank(P, world, stage, recipe.name) + \
+        cfg.n_layer * memory_ledger.layer_activations_closed(s, b, h, a, e, cfg.dropout > 0, cfg.attn == "sdpa") + \
+        memory_ledger.head_activations_closed(s, b, h, cfg.vocab_size, e)
+
+
+def traced(cfg, world, micro_steps=1):
+    """This rank's step, traced (with a later micro-step where micro_steps = 2), before any process group."""
+    return trace.step(cfg, world, int(os.environ.get("RANK", 0)), micro_steps)

@@ -71,16 +71,25 @@ class Count:
         return len(self.calls)
 
     def kinds(self, start=0, end=None):
-        """Counter of collective names among calls[start:end]."""
-        return Counter(name for name, *_ in self.calls[start:end])
+        return kinds(self.calls[start:end])
 
     def volume(self, start=0, end=None):
-        """Bytes moved by calls[start:end], in the paper's terms (all-reduce 2M, the others M)."""
-        return sum(FACTOR[name] * nbytes for name, nbytes, _ in self.calls[start:end])
+        return volume(self.calls[start:end])
 
-    def elements(self, start=0, end=None):
-        """The same in elements, whatever their dtype: the paper counts Psi, parameters."""
-        return sum(FACTOR[name] * numel for name, _, numel in self.calls[start:end])
+
+def kinds(calls):
+    """Counter of collective names among calls [(name, bytes, elements)]."""
+    return Counter(name for name, *_ in calls)
+
+
+def volume(calls):
+    """Bytes moved by calls, in the paper's terms (all-reduce 2M, the others M)."""
+    return sum(FACTOR[name] * nbytes for name, nbytes, _ in calls)
+
+
+def elements(calls):
+    """The same in elements, whatever their dtype: the paper counts Psi, parameters."""
+    return sum(FACTOR[name] * numel for name, _, numel in calls)
 
 
 def sent_per_rank(volume, world):

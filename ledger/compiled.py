@@ -1,6 +1,6 @@
 """The ledger under COMPILE=1: what torch.compile's blocks save and the step's peak, measured.
 
-Chapter section 4, with the blocks compiled (train.compile_blocks). Read ledger/measure.py
+Chapter section 4, with the blocks compiled (build.compile_blocks). Read ledger/measure.py
 first (SavedBytes, ModulePath, LiveTensors), then `measure`.
 
 Why measure.measure alone will not do: its op-by-op tracker (LiveTensors) is a
@@ -30,15 +30,12 @@ class BlockPath(eager.ModulePath):
     code, around its compiled call; the modules outside the blocks get ModulePath's own hooks."""
 
     def __init__(self, model):
-        self.stack, self.handles, self.blocks = [], [], list(model.h)
-        for name, module in model.named_modules():
-            if name != "h" and not name.startswith("h."):
-                self.handles.append(module.register_forward_pre_hook(self._enter(name)))
-                self.handles.append(module.register_forward_hook(self._leave))
+        super().__init__(model, skip=lambda name: name == "h" or name.startswith("h."))
+        self.blocks = list(model.h)
         for i, block in enumerate(self.blocks):
             compiled = block._compiled_call_impl  # what nn.Module.compile() put there (None: not compiled)
             if compiled is None:
-                raise ValueError(f"block {i} is not compiled (train.compile_blocks): ledger.measure measures it")
+                raise ValueError(f"block {i} is not compiled (build.compile_blocks): ledger.measure measures it")
             block._compiled_call_impl = self._named(f"h.{i}", compiled)
 
     def _named(self, name, compiled):
@@ -127,7 +124,7 @@ def measure(model, parts, batch, device):
 
     def observe(name, weighted_loss=None):
         if name == "backward":  # what the forward saved, before any recompute re-run
-            out["activations"] = out["saved"] = saved.total
+            out["activations"] = saved.total
             out["saved_tensors"] = dict(saved.found)
             eager.saving_nodes(losses[-1], out["saved_tensors"])
         if cuda:

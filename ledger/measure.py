@@ -1,14 +1,13 @@
-"""Measuring the ledger: the bytes of a real training step, counted from live tensors.
+"""The census: the bytes of one training step, counted from its tensors, real or fake.
 
-Chapter section 4. Read first: `SavedBytes` (what autograd keeps for backward, and who kept it),
-then `LiveTensors` (every storage alive, op by op, like CUDA's memory_allocated), then `measure`,
-which runs accumulate.accumulation_step itself and reads memory at each of its phases (`phases`).
-Every component is counted from storages on every device: exact on CPU and CUDA alike. The live
-bytes op by op are LiveTensors on CPU and the caching allocator's counters on CUDA (CudaAllocator),
-whose growth over the forward is reported with the slack its block sizes allow (`allocator_bounds`).
+Chapter section 4. Read first: `SavedBytes` (what autograd keeps for backward, and who kept it), then
+`LiveTensors` (every storage alive, op by op, like CUDA's memory_allocated), then `measure`, which runs
+accumulate.accumulation_step itself and reads memory at each of its phases (`phases`). The same census
+counts a real step (`make ledger`'s measured column) and a fake one (ledger/trace.py: the traced column).
+On CUDA the live bytes are the caching allocator's own counters (CudaAllocator).
 """
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +20,7 @@ import checkpoint
 
 
 def local(t):
-    """What this rank holds of `t`: a DTensor (fsdp.py's shards, their gradients and AdamW's
-    states) is its local shard; its own storage would be the whole tensor's size."""
+    """What this rank holds of `t`: a DTensor's (fsdp.py's) local shard; its own storage is the whole's size."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -48,16 +46,11 @@ def storage_bytes(tensors, device=None, exclude=()):
 class SavedBytes:
     """Count the bytes autograd saves for backward, by storage, while the context is open.
 
-    A storage is counted once however many tensors (views) of it are saved; storages of
-    `static` tensors (parameters, buffers, optimizer states) are not activations and are
-    left out: a saved view of one (masked_fill's view of the causal-mask buffer) costs
-    nothing new. `total` adds a storage each time it starts being held; `live` follows what
-    saved-tensor slots still hold (a node's saved tensors are dropped when backward has run
-    it), and `peak` is the most `live` ever was. What a recompute unit's re-run files for its
-    nodes (checkpoint.Unit.pack_rerun: its own hooks, which these do not see) is counted too, from
-    when it is filed to when its node takes it (Unit.unpack). A unit's forward must run inside
-    the context too: its nodes' unpack hook is bound there.
-    """
+    A storage counts once however many views of it are saved; `static` storages (parameters, buffers,
+    optimizer states) are not activations: a saved view of one (the causal-mask buffer's) costs nothing.
+    `total` adds a storage as it starts being held, `live` follows what saved-tensor slots still hold,
+    `peak` is the most `live` ever was. What a recompute unit's re-run files for its nodes (checkpoint.
+    Unit.pack_rerun: hooks of its own) counts too, until its node takes it (Unit.unpack)."""
 
     def __init__(self, static=(), where=None):
         self.static = storage_ids(static)
@@ -65,15 +58,14 @@ class SavedBytes:
         self._holders = {}  # storage key -> how many saved-tensor slots hold it
         self.where = where  # None, or a callable naming the module running now (ModulePath)
         self.found = {}  # storage key -> SavedTensor, for each storage counted in `total`
-        self._units = {}  # (id of a checkpoint.Unit, slot) -> what _pack made of the tensor kept there
+        self._units = {}  # (id of a checkpoint.Unit, slot) -> what _pack made of what it keeps there
 
     def _pack(self, t):
         key, nbytes = storage_key(t), t.untyped_storage().nbytes()
         if key in self.static or nbytes == 0:
             return t
         if self._holders.get(key, 0) == 0:
-            self.total += nbytes
-            self.live += nbytes
+            self.total, self.live = self.total + nbytes, self.live + nbytes
             self.peak = max(self.peak, self.live)
             if key not in self.found:
                 self.found[key] = SavedTensor(nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."))
@@ -96,8 +88,6 @@ class SavedBytes:
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
-        # a recompute unit's re-run keeps what its nodes saved itself (checkpoint.Unit.pack_rerun), out
-        # of these hooks' sight, until each node takes its own back (Unit.unpack): count those too
         file, take, units = checkpoint.Unit.pack_rerun, checkpoint.Unit.unpack, self._units
 
         def counted_file(unit, tensor):
@@ -119,33 +109,23 @@ class SavedBytes:
 
 @dataclass
 class SavedTensor:
-    """One storage autograd saved: its bytes, the shape and dtype of the tensor first saved on
-    it, the modules running when it was saved (paths of model.named_modules(), "" for GPT
-    itself; the first one first) and the autograd nodes holding it (their grad_fn names,
-    filled in by `saving_nodes`)."""
+    """A storage autograd saved: its bytes, shape and dtype, the modules running then, what holds it."""
     nbytes: int
     shape: tuple
     dtype: str
     modules: tuple = ()
-    nodes: tuple = ()
+    inputs: tuple = ()  # (node, which of its saved tensors, "softmax" where made from one): ("AddmmBackward0", "mat1", "")
 
 
 class ModulePath:
-    """The path of the innermost module running now, by forward hooks on every module."""
+    """The path of the innermost module running now, by forward hooks on every module (`skip`: not these)."""
 
-    def __init__(self, model):
+    def __init__(self, model, skip=lambda name: False):
         self.stack, self.handles = [], []
         for name, module in model.named_modules():
-            self.handles.append(module.register_forward_pre_hook(self._enter(name)))
-            self.handles.append(module.register_forward_hook(self._leave))
-
-    def _enter(self, name):
-        def hook(module, args):
-            self.stack.append(name)
-        return hook
-
-    def _leave(self, module, args, output):  # a forward hook that returns something replaces the output
-        self.stack.pop()
+            if not skip(name):  # (a forward hook that returns something replaces the output: these return None)
+                self.handles += [module.register_forward_pre_hook(lambda m, args, name=name: self.stack.append(name)),
+                                 module.register_forward_hook(lambda m, args, out: [self.stack.pop()] and None)]
 
     def __call__(self):
         return self.stack[-1] if self.stack else ""
@@ -155,34 +135,60 @@ class ModulePath:
             handle.remove()
 
 
+_SAVED_ATTRS = {}  # autograd node class -> its `_saved_*` attributes
+
+
 def saving_nodes(loss, found):
-    """Fill in, for each storage in `found`, the autograd nodes (grad_fn names) of loss's graph
-    that hold it: a node's saved tensors are its `_saved_*` attributes, or a custom Function's
-    saved_tensors (checkpoint.RerunNode: a unit's inputs; fp8's)."""
-    names, seen, stack = {}, set(), [loss.grad_fn]
+    """Fill in, for each storage in `found`, the nodes of loss's graph that hold it and which of their saved
+    tensors it is (a `_saved_*` attribute, or a custom Function's saved_tensors by index). A matmul's input
+    made from a softmax (the attention weights) is marked so: memory_ledger tells it from q and k. Returns
+    the host bytes of the RNG states the recompute units hold (checkpoint.Unit.rng: RerunNode's ctx is the
+    node, NaiveRecompute's keeps it itself)."""
+    names, seen, stack, rng_states = {}, set(), [loss.grad_fn], {}
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        held = []
-        for attr in dir(node):
-            if attr.startswith("_saved_"):
-                try:
-                    value = getattr(node, attr)
-                except RuntimeError:  # released already, or not a tensor torch will hand out
-                    continue
-                held += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if torch.is_tensor(v)]
+        held = []  # (which, tensor)
+        if type(node) not in _SAVED_ATTRS:  # (dir() of every node was half a small trace's time)
+            _SAVED_ATTRS[type(node)] = [attr for attr in dir(node) if attr.startswith("_saved_")]
+        for attr in _SAVED_ATTRS[type(node)]:
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # released already, or not a tensor torch will hand out
+                continue
+            held += [(attr[len("_saved_"):], v) for v in (value if isinstance(value, (list, tuple)) else [value])
+                     if torch.is_tensor(v)]
         try:
-            held += [t for t in getattr(node, "saved_tensors", ()) if torch.is_tensor(t)]
+            held += [(str(i), t) for i, t in enumerate(getattr(node, "saved_tensors", ())) if torch.is_tensor(t)]
         except RuntimeError:  # a node inside a recompute unit: it holds nothing until the re-run
             pass
-        for t in held:
+        rng = node.unit.rng if isinstance(node, checkpoint.RerunNode._backward_cls) else \
+            node.rng if isinstance(node, checkpoint.NaiveRecompute._backward_cls) else {}
+        rng_states.update({storage_key(t): t.untyped_storage().nbytes() for t in rng.values()})
+        name = type(node).__name__
+        for which, t in held:
             if storage_key(t) in found:
-                names.setdefault(storage_key(t), set()).add(type(node).__name__)
+                index = {"self": 0, "mat2": 1}.get(which) if name == "BmmBackward0" else None
+                came = "softmax" if index is not None and _from_softmax(node.next_functions[index][0]) else ""
+                names.setdefault(storage_key(t), set()).add((name, which, came))
         stack.extend(fn for fn, _ in node.next_functions)
     for key, saved in found.items():
-        saved.nodes = tuple(sorted(names.get(key, ())))
+        saved.inputs = tuple(sorted(names.get(key, ())))
+    return sum(rng_states.values())
+
+
+def _from_softmax(node, depth=8):
+    """Whether `node`'s output was made from a softmax's within `depth` nodes, not through a matmul."""
+    if node is None or depth == 0:
+        return False
+    name = type(node).__name__
+    if name in ("SoftmaxBackward0", "SafeSoftmaxBackward0"):
+        return True
+    if "mm" in name.lower() or "Linear" in name or "Rerun" in name:
+        return False
+    return any(_from_softmax(fn, depth - 1) for fn, _ in node.next_functions)
 
 
 class _Held:
@@ -193,83 +199,103 @@ class _Held:
 
 
 class LiveTensors(TorchDispatchMode):
-    """Counts the bytes of distinct live storages on one device, op by op, like CUDA's
-    memory_allocated: every op's outputs are registered by storage, and storages whose last
-    tensor has died are dropped (checked through weak references after each op)."""
+    """Counts the bytes of distinct live storages on one device, op by op, like CUDA's memory_allocated:
+    each op's outputs are registered by storage, dropped when a finalizer says the storage died."""
 
-    def __init__(self, device):
+    def __init__(self, device, timeline=False):
         super().__init__()
-        self.device = torch.device(device)
-        self.live = {}  # storage id -> (weak ref, bytes)
+        self.device, self.live, self.dead = torch.device(device), {}, []  # live: storage id -> bytes; dead: ids
         self.now = self.peak = 0  # now: the bytes in `live`, kept as a running sum
         self.phase = self.peak_phase = "start"
+        # timeline: each op that allocated, as ((phases begun, phase, `marks`' block), op, bytes, storages, large)
+        self.points, self.phases, self.where = ([] if timeline else None), 0, None
+        self.large = 0  # storages over SMALL_SIZE alive (the CUDA allocator may hold each in a larger block)
 
     def adopt(self, tensors):
         """Start counting storages made before the tracker was switched on."""
         for t in tensors:
             self._add(t)
-        self.read()
 
     def _add(self, t):
         if not isinstance(t, torch.Tensor) or t.device.type != self.device.type or t.is_meta:
             return
         try:
-            st = t.untyped_storage()
+            st = local(t).untyped_storage()  # a DTensor's own storage is its whole size: its shard is what it holds
         except (RuntimeError, NotImplementedError):
             return
-        ref = StorageWeakRef(st)
-        if ref.cdata not in self.live:  # (a dead one was dropped by the _drop_dead before this)
-            self.live[ref.cdata] = (ref, st.nbytes())
-            self.now += st.nbytes()
+        self._drop_dead()  # a dead storage's id may be a new one's now
+        key = StorageWeakRef(st).cdata
+        if key not in self.live:
+            self.live[key] = st.nbytes()
+            self.now, self.large = self.now + st.nbytes(), self.large + (st.nbytes() > SMALL_SIZE)
+            weakref.finalize(st, self.dead.append, key)  # torch keeps a storage's Python object while it lives
 
     def _drop_dead(self):
-        # one pass over every live storage per op is this tracker's whole cost: call the
-        # built-in check directly (StorageWeakRef.expired wraps it in two Python calls)
-        expired = torch.UntypedStorage._expired
-        for key in [key for key, (ref, _) in self.live.items() if expired(ref.cdata)]:
-            self.now -= self.live.pop(key)[1]
+        while self.dead:
+            nbytes = self.live.pop(self.dead.pop(), 0)
+            self.now, self.large = self.now - nbytes, self.large - (nbytes > SMALL_SIZE)
 
-    def _count(self):
-        """The bytes live now (the storages found dead already dropped), and the peak so far."""
+    def _counted(self, op=None, grew=False):
+        """The peak so far, and a point of the timeline where an op grew the live bytes."""
         if self.now > self.peak:
             self.peak, self.peak_phase = self.now, self.phase
-        return self.now
+        if self.points is not None and grew:
+            self.points.append(((self.phases, self.phase, self.where), op, self.now, len(self.live), self.large))
 
     def read(self):
         self._drop_dead()
-        return self._count()
+        self._counted()
+        return self.now
 
     def start_phase(self, name):
-        self.phase = name
+        self.phase, self.phases, self.where = name, self.phases + 1, None
 
     def reset_peak(self):
         self.peak, self.peak_phase = self.read(), self.phase
 
+    def __enter__(self):
+        # FSDP frees a gathered block's memory and takes it back by resizing its storage (_fsdp_param.py,
+        # free_storage/alloc_storage), which no op dispatches: the storage's bytes are followed here
+        self._resize, tracker = torch.UntypedStorage.resize_, self
+
+        def resize_(storage, size):
+            out = tracker._resize(storage, size)
+            tracker._resized(storage)
+            return out
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def _resized(self, st):
+        key = StorageWeakRef(st).cdata
+        if key in self.live:
+            old, new = self.live[key], st.nbytes()
+            self.live[key], self.now = new, self.now + new - old
+            self.large += (new > SMALL_SIZE) - (old > SMALL_SIZE)
+            self._counted("resize_", new > old)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self._drop_dead()  # what the op's inputs' owners let go of, before its outputs count
+        before = self.now
         for t in tree_leaves(out):
             self._add(t)
-        self._count()
+        self._counted(func.__name__, self.now > before)
         return out
 
 
 class CudaAllocator:
-    """The same interface on CUDA: the caching allocator's own counters. Every phase starts
-    with reset_peak_memory_stats, so max_memory_allocated is that phase's peak. (It resets
-    the process's peak statistics: the tools run it in their own process, never a training run.)
-
-    Why its readings are not storage sizes (the ledger's components are, on CUDA too; only
-    this figure gets a slack, `allocator_bounds`): memory_allocated counts allocator blocks,
-    not tensors, and kernels allocate their own scratch through it (cuBLAS workspaces, the
-    attention kernels' accumulators), which is gone by the end of an op."""
+    """The same interface on CUDA: the caching allocator's counters, its peak statistics reset at each phase
+    (the tools run it in a process of their own). They count allocator blocks and kernels' scratch, not
+    storages: only this figure gets a slack (`allocator_bounds`); the components are storages on CUDA too."""
 
     def __init__(self, device):
-        self.device = torch.device(device)
-        self.phase = self.peak_phase = "start"
-        self.peak = 0
+        self.device, self.phase, self.peak_phase, self.peak = torch.device(device), "start", "start", 0
 
-    def adopt(self, tensors):
+    def adopt(self, tensors):  # the allocator counts everything already
         pass
 
     def _fold(self):
@@ -288,8 +314,7 @@ class CudaAllocator:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def reset_peak(self):
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self.start_phase(self.phase)  # (synchronizes, and resets the peak statistics)
         self.peak, self.peak_phase = torch.cuda.memory_allocated(self.device), self.phase
 
     def __enter__(self):
@@ -299,12 +324,9 @@ class CudaAllocator:
         return False
 
 
-# c10/cuda/CUDACachingAllocator.cpp: round_size rounds every request up to a multiple of
-# kMinBlockSize (512 bytes); requests up to kSmallSize (1 MiB) come from the small pool, whose
-# blocks are split whenever 512 bytes or more would remain (should_split), so they count exactly
-# the rounded size; a larger request may be served by a cached large-pool block that is split
-# only where more than kSmallSize would remain: up to 1 MiB more, counted whole (malloc adds
-# block->size to allocated_bytes)
+# c10/cuda/CUDACachingAllocator.cpp: round_size rounds a request up to kMinBlockSize (512 bytes); up to
+# kSmallSize (1 MiB) a small-pool block is split to that size (should_split); a larger request may take a
+# cached large-pool block up to 1 MiB larger, unsplit, counted whole (malloc adds block->size)
 MIN_BLOCK, SMALL_SIZE = 512, 2 ** 20
 
 
@@ -314,11 +336,10 @@ def allocator_bounds(sizes):
     return sum(blocks), sum(blocks) + SMALL_SIZE * sum(b > SMALL_SIZE for b in blocks)
 
 
-def kept_copy_storages(fp8_layers):
-    """{storage key: bytes} of the FP8 weight copies the layers keep now (fp8_refined.WeightCopy)."""
+def kept_copies(fp8_layers):
+    """The tensors of the FP8 weight copies the layers keep now (fp8_refined.WeightCopy)."""
     copies = [m.weight_copy for m in fp8_layers if getattr(m, "weight_copy", None) is not None]
-    return {storage_key(t): t.untyped_storage().nbytes() for c in copies
-            for t in (c.data, c.column_major, c.scale, c.amax) if t is not None}
+    return [t for c in copies for t in (c.data, c.column_major, c.scale, c.amax) if t is not None]
 
 
 def resident(model, parts):
@@ -328,39 +349,18 @@ def resident(model, parts):
 
 
 def random_batch(cfg, device, b=None):
-    """A seeded (x, y) of random bytes, b sequences of cfg.block_size, in two storages of their
-    own. (Not .contiguous(): for one sequence the shifted slice is contiguous already, so x and
-    y would stay views of one (s+1)-token storage and the ledger's inputs would come out
-    (s-1) x 8 bytes short: issue 10, defect 3.)"""
+    """A seeded (x, y) of random bytes, b sequences of cfg.block_size, each in a storage of its own
+    (cloned: for one sequence .contiguous() would leave both views of one storage)."""
     g = torch.Generator().manual_seed(cfg.seed)
     b = b or cfg.batch_size
     xy = torch.randint(0, 256, (b, cfg.block_size + 1), generator=g)
     return xy[:, :-1].clone().to(device), xy[:, 1:].clone().to(device)
 
 
-def rng_state_bytes(loss):
-    """Host bytes of the RNG states held by the recompute units in loss's autograd graph
-    (checkpoint.Unit.rng, found through each unit's output node: checkpoint.RerunNode's ctx *is* the
-    graph node; NaiveRecompute's keeps it itself), distinct storages."""
-    seen, stack, found = set(), [loss.grad_fn], {}
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        rng = node.unit.rng if isinstance(node, checkpoint.RerunNode._backward_cls) else \
-            node.rng if isinstance(node, checkpoint.NaiveRecompute._backward_cls) else {}
-        for t in rng.values():
-            found[storage_key(t)] = t.untyped_storage().nbytes()
-        stack.extend(fn for fn, _ in node.next_functions)
-    return sum(found.values())
-
-
 @contextmanager
 def phases(model, parts, observe):
-    """Call observe(name, ...) as each phase of accumulate.accumulation_step begins, read from outside
-    it: "forward" (each micro-step's forward), "backward" (the scaler's backward, given the weighted
-    loss), "gradients" (after it), "step" (the optimizer's step, the FP8 weight copies released)."""
+    """Call observe(name, ...) as each phase of accumulate.accumulation_step begins: "forward" (each micro-
+    step's), "backward" (given the weighted loss), "gradients" (after it), "step" (the optimizer's)."""
     scaler, opt = parts.scaler, parts.optimizer
     backward, step = scaler.backward, opt.step
 
@@ -378,22 +378,24 @@ def phases(model, parts, observe):
         starts.remove()
 
 
-def measure(model, parts, batch, device, micro_steps=1):
-    """Run one accumulation_step of (model, parts) on one micro-batch (micro_steps=K: K times; the activations
-    are the first's), and count. Call it once the optimizer states exist (after a first step): the steady
-    state. Returns bytes per component (storage sizes on every device; gradients: the .grad storages once
-    backward is done, plus FP32 sums; fp8_kept: the kept FP8 weight copies; activations: what SavedBytes
-    saw the forward save, less those copies),
-    saved_tensors ({storage: SavedTensor}, for ledger/explain.py), the phase readings, the peak and its
-    phase, forward_growth (the tracker's growth over the forward) and forward_storages (the sizes of
-    the storages the forward left alive: activations, kept copies, the loss and the loss x weight,
-    which on CPU add up to forward_growth exactly and on CUDA bound it: allocator_bounds)."""
+class _Stop(Exception):  # measure(until_step=True): the optimizer's step begins
+    pass
+
+
+def measure(model, parts, batch, device, micro_steps=1, timeline=None, until_step=False):
+    """Run one accumulation_step of (model, parts) on `batch` micro_steps times (the activations are the
+    first's) and count, once the optimizer's states exist (the steady state). Returns bytes per component
+    (gradients: .grad once backward is done, and FP32 sums; fp8_kept: the kept FP8 weight copies;
+    activations: what the forward saved, less those), saved_tensors ({storage: SavedTensor}), the phases'
+    readings, the peak and its phase, and forward_growth (the live bytes' growth over the forward) with
+    forward_storages (the sizes of what the forward left alive: on CPU they add up to it, on CUDA they bound
+    it, allocator_bounds). timeline: None, or (model, tracker) -> a context that marks which block runs
+    (ledger/trace.marks): the tracker's points too ("points"); until_step: stop as the optimizer's step begins."""
     device = torch.device(device)
     opt = parts.optimizer
     params, buffers = list(model.parameters()), list(model.buffers())
     static = resident(model, parts)
-    cuda = device.type == "cuda"
-    tracker = CudaAllocator(device) if cuda else LiveTensors(device)
+    tracker = CudaAllocator(device) if device.type == "cuda" else LiveTensors(device, timeline is not None)
     out = dict(parameters=storage_bytes(params, device),
                buffers=storage_bytes(buffers, device, exclude=storage_ids(params)),
                master=storage_bytes(opt.master_params, device, exclude=storage_ids(params)),
@@ -405,46 +407,44 @@ def measure(model, parts, batch, device, micro_steps=1):
 
     def observe(name, weighted_loss=None):
         phase[name] = tracker.read()
-        if name == "backward" and "saved" not in out:
+        if name == "backward" and "activations" not in out:
             # what the forward saved, before any recompute re-run, less the kept FP8 copies it made
-            kept = kept_copy_storages(parts.fp8_layers)
-            activations = {k: v for k, v in saved.found.items() if k not in kept}
-            out["saved"] = saved.total - sum(v.nbytes for k, v in saved.found.items() if k in kept)
-            out["saved_tensors"] = activations  # and who saved each storage, for ledger/explain.py
-            saving_nodes(losses[-1], out["saved_tensors"])
-            out["rng_states"] = rng_state_bytes(losses[-1])
-            out["forward_storages"] = [v.nbytes for v in activations.values()] + list(kept.values()) \
+            kept = {storage_key(t): t.untyped_storage().nbytes() for t in kept_copies(parts.fp8_layers)}
+            out["saved_tensors"] = {k: v for k, v in saved.found.items() if k not in kept}
+            out["activations"] = saved.total - sum(v.nbytes for k, v in saved.found.items() if k in kept)
+            out["rng_states"] = saving_nodes(losses[-1], out["saved_tensors"])
+            out["forward_storages"] = [v.nbytes for v in out["saved_tensors"].values()] + list(kept.values()) \
                 + [losses[-1].untyped_storage().nbytes(), weighted_loss.untyped_storage().nbytes()]
         if name == "gradients" and "gradients" not in out:
             out["gradients"] = storage_bytes([p.grad for p in params] + (parts.grad_buffers or []), device)
-            # the FP8 weight copies kept for this step (alive until optimizer_step releases them)
-            copies = [m.weight_copy for m in parts.fp8_layers if getattr(m, "weight_copy", None) is not None]
-            out["fp8_kept"] = storage_bytes([t for c in copies for t in (c.data, c.column_major, c.scale, c.amax)],
-                                            device)
+            out["fp8_kept"] = storage_bytes(kept_copies(parts.fp8_layers), device)  # alive until the step's end
         tracker.start_phase(name)
+        if name == "step" and until_step:
+            raise _Stop
 
     adamw_step = opt.torch_optimizer.step
 
     def read_step_gradients(*args, **kwargs):
-        # the gradients alive while AdamW steps: .grad, a ZeRO rank's reduced slice, the FP32 sums
-        # (ZeRO-2 has released .grad by now, ZeRO-1 has not: the rows of zero.py differ here)
+        # the gradients alive as AdamW steps: .grad (ZeRO-2 has let it go), a ZeRO rank's slice, the FP32 sums
         held = [p.grad for p in params] + [getattr(opt, "grad_slice", None)] + (parts.grad_buffers or [])
         out["step_gradients"] = storage_bytes([t for t in held if t is not None], device)
         return adamw_step(*args, **kwargs)
     opt.torch_optimizer.step = read_step_gradients
     try:
-        with tracker, saved, phases(model, parts, observe):
+        with tracker, saved, phases(model, parts, observe), timeline(model, tracker) if timeline else nullcontext():
             tracker.adopt(static + (parts.grad_buffers or []) + list(batch))
             tracker.reset_peak()
             before = tracker.read()
-            accumulate.accumulation_step(model, parts, [batch] * micro_steps)
+            try:
+                accumulate.accumulation_step(model, parts, [batch] * micro_steps)
+            except _Stop:
+                pass
             phase["end"] = tracker.read()
     finally:
         del opt.torch_optimizer.step  # the instance attribute goes: the optimizer's own step again
         hook.remove()
         module_path.remove()
     out["phase"] = dict(before=before, **phase)
-    out["activations"] = out["saved"]
     out["forward_growth"] = phase["backward"] - before
-    out["peak"], out["peak_phase"] = tracker.peak, tracker.peak_phase
+    out["peak"], out["peak_phase"], out["points"] = tracker.peak, tracker.peak_phase, getattr(tracker, "points", None)
     return out

@@ -1,133 +1,124 @@
 """The whole picture: what splitting across GPUs does to the four components, and the big shapes.
 
-Chapter section 4 ("Splitting: ZeRO/FSDP split states, TP splits weights, PP splits
-layers, SP/CP split activations; offload"). Read memory_ledger.py first (one GPU, this
-model); this file divides its components the way each parallel technique does, keeps
-the literature's per-layer activation formula (Korthikanti et al. 2022) beside ours,
-and asks what the same model needs at GPT-2 XL, 7B and 175B scale (the what-if).
-Every row here is a formula: this project runs none of these techniques. Nothing here
-restates the model: which tensors TP splits, which parameters, which terms live on which
-pipeline stage all come from memory_ledger's description (its Terms, what its ops hold).
+Chapter section 4 ("Splitting: ZeRO/FSDP split states, TP splits weights, PP splits layers, SP/CP
+split activations; offload"). Read memory_ledger.py first (the components, and which term each saved
+tensor is), then `tp_components` and `pp_stages`. ZeRO and FSDP over N ranks are traced (ledger/trace.py,
+a fake process group: rank 0's figures); this project runs none of TP, PP, CP and offload, so their rows
+are the papers' rules applied tensor by tensor to this config's traced step: which tensor a byte is, the
+module that saved it, and whether model.py's Linear writes into the residual stream (`residual_projection`:
+row-parallel under TP, Megatron's), never a second description of the model.
 """
+import math
 from dataclasses import replace
-
-import torch
 
 import memory_ledger as ml
 from config import Config
-from ledger import plan
-from model import GPT
-
-
-# ---------------------------------------------------------------- the literature's per-layer activations
-
-def korthikanti_layer_terms(s, b, h, a):
-    """The literature's per-layer breakdown (Korthikanti et al. 2022, "Reducing Activation
-    Recomputation in Large Transformer Models", sec. 4.1): 16-bit activations, 1-byte dropout
-    masks, LayerNorm statistics ignored. Sum: s*b*h*(34 + 5*a*s/h)."""
-    return [("attention: QKV input", 2 * s * b * h), ("attention: Q and K", 4 * s * b * h),
-            ("attention: softmax output", 2 * a * s * s * b), ("attention: softmax dropout mask", a * s * s * b),
-            ("attention: dropout output", 2 * a * s * s * b), ("attention: V", 2 * s * b * h),
-            ("attention: output-projection input", 2 * s * b * h), ("attention: dropout mask", s * b * h),
-            ("MLP: first Linear input", 2 * s * b * h), ("MLP: GELU input", 8 * s * b * h),
-            ("MLP: second Linear input", 8 * s * b * h), ("MLP: dropout mask", s * b * h),
-            ("LayerNorms: inputs", 4 * s * b * h)]
-
-
-# ---------------------------------------------------------------- the parallel techniques, per GPU
-
-def tp_block_bytes(cfg, t, sp, paths=None):
-    """One block's saved bytes per GPU under TP t: a term made inside a tensor-parallel region
-    (between a column-parallel Linear and the row-parallel one after it: the description's
-    `split`) is split over t; the rest is whole on every rank, or / t under SP (split along
-    the sequence). paths: its submodules recomputed as units (None: block 0's, as cfg's policy says)."""
-    if paths is None:
-        paths = ml.unit_paths(cfg, 0)
-    return sum(term.nbytes // t if (sp or term.region) else term.nbytes
-               for term in ml.block_activation_terms(cfg, paths))
-
-
-def tp_components(cfg, t, sp):
-    """Per-GPU components under tensor parallelism t (Megatron), with or without sequence parallel.
-
-    Parameters: what the description's ops split (the Linear weights, the column-parallel
-    Linears' biases, the vocab-parallel embedding) / t; the rest (norms, row-parallel biases,
-    wpe) replicated; buffers (the causal masks, FP8 amax state) replicated. Activations per
-    Korthikanti et al. 2022 sec. 4.2: without SP the terms outside the parallel regions stay
-    whole, in the blocks and out of them (outside, only the vocab-parallel logits'
-    log-softmax and the loss are split); with SP every term is split along the sequence or
-    the hidden dimension: / t. A unit's kept input is whole under TP, / t under SP."""
-    c = ml.components(cfg)
-    P, _ = ml.param_count(cfg)
-    frac = (ml.split_param_count(cfg) / t + (P - ml.split_param_count(cfg))) / P
-    p = ml.plan(cfg)
-    acts = sum(n * tp_block_bytes(cfg, t, sp, paths) for paths, n in ml.block_kinds(cfg).items())
-    acts += len(p.units) * ml.census(cfg)[2] // (t if sp else 1)
-    acts += sum(term.nbytes // t if (sp or term.region) else term.nbytes for term in ml.outside_terms(cfg))
-    # native FP8: each rank keeps the E4M3 copy of its shard of every Linear weight, and its own 16-byte scale and amax
-    scalars = 16 * cfg.n_layer * len(ml.block_held(cfg, "fp8 weight")) if c["fp8_kept"] else 0
-    return dict(parameters=int(c["parameters"] * frac), buffers=c["buffers"], gradients=int(c["gradients"] * frac),
-                optimizer=int(c["optimizer"] * frac), fp8_kept=(c["fp8_kept"] - scalars) // t + scalars,
-                activations=acts)
+from ledger import plan, trace
 
 
 def zero_components(c, n, stage):
-    """ZeRO stage 1/2/3 over n data-parallel ranks (Rajbhandari et al. 2020, sec. 5): the
-    optimizer states (with the FP32 master copy), then the gradients, then the parameters
-    partitioned / n. Buffers are not parameters: ZeRO-3/FSDP keeps them whole on every rank;
-    nor are native FP8's weight copies kept during a step: copies of the whole (gathered) weights."""
+    """ZeRO stage 1/2/3 over n data-parallel ranks (Rajbhandari et al. 2020, sec. 5) as the paper divides:
+    the optimizer states (with the FP32 master copy), then the gradients, then the parameters / n.
+    Buffers and native FP8's kept weight copies are not parameters: whole on every rank."""
     out = dict(c)
     for k in ("optimizer", "gradients", "parameters")[:stage]:
         out[k] = c[k] // n
     return out
 
 
+def te_weights(c, cfg):
+    """Transformer Engine's row, from native FP8's counted one: its Linears keep an E4M3 weight and its
+    transpose across steps (1 byte each per weight element, in the parameters' row), not a copy per step."""
+    linear = sum(n for _, n, dim, kind, _ in trace.step(cfg)["named"] if kind == "linear" and dim == 2)
+    return dict(c, parameters=c["parameters"] + 2 * linear, fp8_kept=0)
+
+
+def _split(saved, term, traced, t, sp):
+    """Bytes of one saved tensor per GPU under TP t (Korthikanti et al. 2022, sec. 4.2): inside a
+    tensor-parallel region (after a column-parallel Linear, before a row-parallel one: q, k, v, the
+    attention core's, the activation's input, a row-parallel Linear's input, the vocab-parallel logits'
+    log-softmax) / t; the rest whole, or / t along the sequence under SP."""
+    where = saved.modules[0] if saved.modules else ""
+    inside = term in ("qkv", "softmax", "activation") or (term == "masks" and traced["kinds"].get(where) == "core") \
+        or (term == "linears" and any(m in traced["row_parallel"] for m in saved.modules)) \
+        or (term == "head" and any(node == "LogSoftmaxBackward0" for node, *_ in saved.inputs))
+    return saved.nbytes // t if sp or inside else saved.nbytes
+
+
+def tp_block_bytes(cfg, t, sp, block="h.0."):
+    """One block's saved bytes per GPU under TP t (and SP): `_split` of each tensor it saved."""
+    traced = trace.step(cfg)
+    terms, _ = ml.account(traced["saved_tensors"], traced["kinds"])
+    return sum(_split(s, term, traced, t, sp) for term, tensors in terms.items() for s in tensors
+               if s.modules and s.modules[0].startswith(block))
+
+
+def tp_components(cfg, t, sp):
+    """Per-GPU components under tensor parallelism t (Megatron), with or without sequence parallel.
+    Parameters (and their gradients and states): a Linear's weight, a column-parallel Linear's bias and
+    the vocab-parallel embedding / t; norms, row-parallel biases and position embeddings whole. Buffers
+    whole. Activations: `_split` of every saved tensor."""
+    traced = trace.step(cfg)
+    c = ml.components(traced)
+    P = sum(n for _, n, *_ in traced["named"])
+    split = sum(n for name, n, dim, kind, row in traced["named"]
+                if (kind == "linear" and (dim == 2 or not row)) or name == "wte.weight")
+    frac = (split / t + P - split) / P
+    terms, unmatched = ml.account(traced["saved_tensors"], traced["kinds"])
+    acts = sum(_split(s, term, traced, t, sp) for term, tensors in terms.items() for s in tensors) + \
+        sum(s.nbytes // (t if sp else 1) for s in unmatched)
+    return dict(parameters=int(c["parameters"] * frac), buffers=c["buffers"], gradients=int(c["gradients"] * frac),
+                optimizer=int(c["optimizer"] * frac), fp8_kept=c["fp8_kept"] // t, activations=acts)
+
+
 def pp_stages(cfg, p):
-    """(first stage, last stage) components under pipeline parallelism p with 1F1B (Megatron):
-    each stage holds L/p blocks; stage i has p - i micro-batches in flight, so the first
-    stage keeps p micro-batches of its blocks' activations (L blocks' worth) and of the
-    embeddings' (and their parameters), the last stage one micro-batch of its blocks' and
-    the head's (and its parameters). The tied output head needs the embedding's weight on the
-    last stage too: Megatron keeps a copy there (its gradient all-reduced with the first
-    stage's), with its own gradient and optimizer states."""
-    L = cfg.n_layer
-    c, (P, _) = ml.components(cfg), ml.param_count(cfg)
-    per_param = {k: c[k] / P for k in ("parameters", "gradients", "optimizer")}  # bytes per parameter
-    outside = ml.outside_terms(cfg)
-    embed_acts = sum(term.nbytes for term in outside if term.scope == "embedding")
-    head_acts = sum(term.nbytes for term in outside if term.scope == "head")
-    block_acts = (c["activations"] - embed_acts - head_acts) / L  # per block (under sqrt, an average)
-    block_params = ml.block_param_count(cfg)
-    n_first = ml.held_count(cfg, "param", "embedding") + L // p * block_params
-    n_last = L // p * block_params + ml.held_count(cfg, "param", "head") + ml.held_count(cfg, "tied", "head")
+    """(first stage, last stage) components under pipeline parallelism p with 1F1B (Megatron): each stage
+    holds L/p blocks; stage i has p - i micro-batches in flight, so the first keeps p micro-batches of its
+    blocks' activations and of the embeddings', the last one micro-batch of its blocks' and the head's.
+    The embeddings' parameters sit on the first stage, the rest outside the blocks on the last; a head tied
+    to wte keeps a copy of it there (Megatron's, with its own gradient and states)."""
+    traced, L = trace.step(cfg), cfg.n_layer
+    c = ml.components(traced)
+    P = sum(n for _, n, *_ in traced["named"])
+    per_param = {k: c[k] / P for k in ("parameters", "gradients", "optimizer")}
+    saved = traced["saved_tensors"].values()
+    blocks = sum(s.nbytes for s in saved if s.modules and s.modules[0].startswith("h."))
+    embedding = sum(s.nbytes for s in saved if s.modules and traced["kinds"].get(s.modules[0]) in
+                    ("embedding", "dropout") and not s.modules[0].startswith("h."))
+    head = traced["activations"] - blocks - embedding
+    in_blocks = sum(n for name, n, *_ in traced["named"] if name.startswith("h."))
+    first = sum(n for name, n, _, kind, _ in traced["named"] if kind == "embedding" and not name.startswith("h."))
+    last = P - in_blocks - first
+    tied = not any(kind == "linear" for name, _, _, kind, _ in traced["named"] if not name.startswith("h."))
+    last += sum(n for name, n, *_ in traced["named"] if name == "wte.weight") * tied
 
     def stage(n, acts):
         return dict({k: int(v * n) for k, v in per_param.items()}, buffers=c["buffers"] // p,
-                    fp8_kept=c["fp8_kept"] // L * (L // p), activations=int(acts))
-    return (stage(n_first, p * (L // p * block_acts + embed_acts)),
-            stage(n_last, L // p * block_acts + head_acts))
+                    fp8_kept=c["fp8_kept"] // p, activations=int(acts))
+    return (stage(first + in_blocks / p, p * (blocks / p + embedding)), stage(last + in_blocks / p, blocks / p + head))
 
 
 def parallel_rows(cfg, ranks=8, tp=8, pp=8, cp=4):
-    """[(technique, {component: bytes per GPU})] for the techniques this project does not run.
-
-      ZeRO-1 optimizer states / N; ZeRO-2 also gradients / N; ZeRO-3 (FSDP) also parameters
-        / N; buffers whole (zero_components).
-      TP t, and TP + SP: tp_components (Megatron, Korthikanti et al. 2022).
-      PP p: the first and the last stage (pp_stages: 1F1B, the tied embedding on both ends);
-        p is the largest divisor of L up to `pp`, so that every stage holds L/p whole blocks.
-      CP c: every activation term scales with s, each rank holds s/c of the sequence: / c.
-      CPU offload (ZeRO-Offload): FP32 master, AdamW states and the gradients live in CPU memory.
-    """
-    c = ml.components(cfg)
-    rows = [(f"ZeRO-{k} over {ranks}", zero_components(c, ranks, k)) for k in (1, 2, 3)]
-    rows.append((f"tensor parallel t={tp}", tp_components(cfg, tp, sp=False)))
-    rows.append((f"TP t={tp} + sequence parallel", tp_components(cfg, tp, sp=True)))
+    """[(technique, {component: bytes per GPU}, how)]: ZeRO-1, ZeRO-2 and FSDP over `ranks`, traced (rank 0);
+    TP t and TP + SP (tp_components); the first and last PP stage (p the largest divisor of L up to pp);
+    CP c (every activation scales with s: / c); CPU offload (ZeRO-Offload: gradients, FP32 master and
+    AdamW's states in host memory): formulas on the trace."""
+    c = ml.components(trace.step(cfg))
+    rows = []
+    for shard, name in (("zero1", "ZeRO-1"), ("zero2", "ZeRO-2"), ("fsdp", "FSDP (ZeRO-3)")):
+        try:
+            sharded = trace.step(replace(cfg, shard=shard), ranks, 0)
+        except Exception:  # noqa: BLE001  (FSDP refuses FP8: config.validate says so; no row then)
+            continue
+        rows.append((f"{name} over {ranks} (rank 0)", dict(ml.components(sharded), gradients=sharded["step_gradients"]),
+                     "traced"))
+    rows.append((f"tensor parallel t={tp}", tp_components(cfg, tp, sp=False), "formula"))
+    rows.append((f"TP t={tp} + sequence parallel", tp_components(cfg, tp, sp=True), "formula"))
     p = max(k for k in range(1, min(pp, cfg.n_layer) + 1) if cfg.n_layer % k == 0)  # stages of L/p blocks
     first, last = pp_stages(cfg, p)
-    rows += [(f"pipeline p={p}, first stage", first), (f"pipeline p={p}, last stage", last)]
-    rows.append((f"context parallel c={cp}", dict(c, activations=c["activations"] // cp)))
-    rows.append(("CPU offload (ZeRO-Offload)", dict(c, gradients=0, optimizer=0)))
+    rows += [(f"pipeline p={p}, first stage", first, "formula"), (f"pipeline p={p}, last stage", last, "formula")]
+    rows.append((f"context parallel c={cp}", dict(c, activations=c["activations"] // cp), "formula"))
+    rows.append(("CPU offload (ZeRO-Offload)", dict(c, gradients=0, optimizer=0), "formula"))
     return rows
 
 
@@ -136,40 +127,43 @@ def parallel_rows(cfg, ranks=8, tp=8, pp=8, cp=4):
 BIG_SHAPES = {  # name: (L, h, a, s, V), GPT-2-style blocks as in model.py
     "GPT-2 XL": (48, 1600, 25, 1024, 50257),
     "7B": (32, 4096, 32, 4096, 32000),
-    "175B (GPT-3)": (96, 12288, 96, 2048, 50257),
+    "175B (GPT-3)": (96, 12288, 96, 2048, 50257),  # the papers' shape (ledger/papers.py): two of its layers traced
 }
+WHAT_IF = ("GPT-2 XL", "7B")  # (175B's optimizer step alone, 96 layers traced whole, takes half a minute)
 
 
 def big_config(name, **over):
-    """A Config of one of BIG_SHAPES (CUDA dtypes, micro-batch 1), with `over` on top."""
+    """A Config of one of BIG_SHAPES on CUDA (its rules traced where torch has none), micro-batch 1."""
     L, h, a, s, V = BIG_SHAPES[name]
-    base = dict(n_layer=L, n_embd=h, n_head=a, block_size=s, vocab_size=V, batch_size=1, device="cuda")
-    return Config(**{**base, **over})
+    return Config(**{**dict(n_layer=L, n_embd=h, n_head=a, block_size=s, vocab_size=V, batch_size=1,
+                            device="cuda"), **over})
 
 
-def meta_param_count(cfg):
-    """P of model.GPT built on the meta device (no memory): the cross-check of param_count."""
-    with torch.device("meta"):
-        m = GPT(cfg)
-    return sum(p.numel() for p in m.parameters())
+_PEAKS = {}  # (config, world, micro-batches) -> plan.Peaks: the what-if asks again at each GPU size
+
+
+def _peaks(cfg, world, b):
+    key = (repr(cfg), world, b)
+    if key not in _PEAKS:
+        _PEAKS[key] = plan.Peaks(cfg, world, 1, b)
+    return _PEAKS[key]
 
 
 def what_if(gpu_gib=80, ranks=8, precision_name="bf16"):
-    """[dict(shape, P, ckpt, zero, states, buffers, activations, max_b)] per GPU, CUDA dtypes,
-    manual attention, dropout as Config's default (0): states = parameters + gradients +
-    master + AdamW, / ranks under ZeRO-3; buffers whole (ZeRO-3 does not shard them);
-    activations after the forward at b=1; max_b: the planner's (ledger/plan.py, `make plan`)
-    largest micro-batch on one GPU, or on one of `ranks` under ZeRO-3 (its fsdp rows' walk)."""
-    out = []
-    for name in BIG_SHAPES:
-        for ckpt in ("none", "selective", "full"):
-            for zero in (0, 3):
-                cfg = big_config(name, precision=precision_name, ckpt=ckpt, attn="manual")
-                c = zero_components(ml.components(cfg), ranks, 3 if zero else 0)
-                out.append(dict(shape=name, P=ml.param_count(cfg)[0], ckpt=ckpt,
-                                zero=f"ZeRO-3/{ranks}" if zero else "none",
-                                states=c["parameters"] + c["gradients"] + c["optimizer"], buffers=c["buffers"],
-                                activations=ml.activation_bytes(cfg),
-                                max_b=plan.largest_micro_batch(replace(cfg, shard="fsdp" if zero else "none"),
-                                                               gpu_gib * 2 ** 30, world=ranks if zero else 1)))
+    """[dict(shape, P, ckpt, zero, states, activations, max_b)] per GPU, traced (ledger/plan.py's extension):
+    manual attention, dropout as Config's default (0); states: what a rank holds all step (parameters,
+    master, AdamW, buffers), over `ranks` under FSDP; activations after the forward at b=1; max_b: the
+    largest micro-batch whose peak fits a GPU of gpu_gib as CUDA reports it (no context, no allocator)."""
+    out, budget = [], gpu_gib * 2 ** 30
+    for name in WHAT_IF:
+        for ckpt in ("none", "full"):
+            for sharded in (False, True):
+                cfg = big_config(name, precision=precision_name, ckpt=ckpt, attn="manual",
+                                 shard="fsdp" if sharded else "none")
+                world = ranks if sharded else 1
+                one = _peaks(cfg, world, (1,))
+                most = _peaks(cfg, world, (2, 3)).largest(budget) if one.at(1)[0] <= budget else 0
+                out.append(dict(shape=name, P=sum(math.prod(s) for s in plan.param_shapes(cfg)), ckpt=ckpt,
+                                zero=f"FSDP/{ranks}" if sharded else "none", states=one.states(),
+                                activations=one.ext.figure("activations", 1), max_b=most))
     return out

@@ -1,26 +1,23 @@
 """Will it fit? Every configuration of a model that fits a GPU, its largest micro-batch and what it
-costs, from the exact peak walk. tools/plan.py (`make plan`) prints them, fastest first.
+costs, from the traced step. tools/plan.py (`make plan`) prints them, fastest first.
 
-Chapter section 4 ("the whole picture"), put to work: which precision, recompute policy and sharding
-fit a given GPU. Read first: memory_ledger.peak_walk and ledger/shard.py (one rank's step, walked),
-then `Peaks` (one configuration's peak as a function of the micro-batch), then `plan`.
+Chapter section 4 put to work. Read first: `Extended` (a big model's step from four small traces),
+then `Peaks` (one configuration's peak on each kind of rank, at any micro-batch), then `plan`.
 
-Nothing is built: the description is walked (ledger/walk.py); model.GPT only on the meta device, for
-its parameters' shapes and its FLOPs. What makes the answer exact and cheap (tests/test_plan.py
-holds each; docs/plan.md says more):
-  - a walk has the same points at every micro-batch b >= 2, each x + b*y bytes: every tensor the
-    walk counts has a batch dimension or none (b = 1 walks other points: one sequence makes some
-    copies views). So the walks at b = 2 and 3 give every point at every b, and the largest b that
-    fits is min over the points of (budget - x) // y: solved, not searched;
-  - DDP, ZeRO-1 and ZeRO-2 run the same forward and backward; a rank differs in what it holds all
-    step and in its optimizer step (ledger/step.walk_before, tail): one walk serves every rank;
-  - with K > 1 micro-steps a later one starts with .grad alive: such a step is walked with two
-    (micro_steps=2); a step of one micro-step peaks no higher.
-The FSDP rows are the textbook ZeRO-3 walk (memory_ledger.peak_walk(cfg, N)), an estimate: FSDP2's
-own buffers are not described.
+Nothing real is built: every figure is ledger/trace.py's, model.py run on fake tensors. A step of L
+layers is traced at two depths, 2 and 3 of its recompute units (a block each; CKPT_SEGMENT blocks under
+sqrt, the blocks left over after them), and two micro-batches, 2 and 3. Blocks are alike, so each
+allocation of the step, told by its phase and the block it runs in (the first unit's, the last's, the
+leftover's; a middle unit's lies between them and cannot be the highest), holds bytes bilinear in the
+units and the micro-batch: four traces give each exactly at any depth and micro-batch (tests/test_plan.py
+holds it to full traces), and the largest micro-batch that fits is solved, not searched.
+  - DDP, ZeRO-1 and ZeRO-2 run the same forward and backward, traced once without sharding; a rank
+    differs in what it holds all step and in its optimizer step, which ZeRO's slices make unlike at
+    each depth: every kind of ZeRO rank's step is traced alone at the full depth (trace.optimizer_step);
+    DDP adds its reducer's buckets (trace.DDP). FSDP is traced as it runs, rank 0 of NPROC.
+  - K > 1 micro-steps are traced with two (the second starts with .grad alive).
 """
-import difflib
-import functools
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -28,190 +25,237 @@ import numpy as np
 import torch
 
 import checkpoint
-import flops
-import memory_ledger as ml
 import precision
 import zero
-from config import ATTENTIONS, PRECISIONS, SHARDS, Config, UsageError, validate
-from ledger import shard as ls
-from ledger import step
+from config import ATTENTIONS, PRECISIONS, SHARDS, UsageError, validate
+from ledger import comm, trace
 from ledger.measure import MIN_BLOCK, SMALL_SIZE
 from model import GPT
 
 MIB, GIB = 2 ** 20, 2 ** 30
-
-# memory.total as nvidia-smi prints it (MiB), and PyTorch's "total capacity" (what CUDA gives a process,
-# printed by its out-of-memory error, GiB to 2 places) where a public log shows one. The difference is
-# what the driver keeps; where no log shows it, the largest seen (768 MiB) is taken.
-GPUS = {  # name: (flops.CUDA_PEAK_TFLOPS key, nvidia-smi MiB, CUDA's total GiB or None, where the figures are from)
-    "H200": ("H200", 143771, None, "nvidia-smi on H200 141GB machines in public logs"),
-    "H100": ("H100", 81559, 79.11, "nvidia-smi: modal-labs/modal-client#2797; CUDA: vllm-project/vllm#27508"),
-    "A100-80GB": ("A100", 81920, 79.25, "nvidia-smi: modal-labs/modal-client#2797; CUDA: levihsu/OOTDiffusion#235"),
-    "A100-40GB": ("A100", 40960, 39.50, "nvidia-smi: modal-labs/modal-client#2797; CUDA: TianheWu/CoSeR#10"),
-    "L40S": ("L40S", 46068, None, "nvidia-smi: modal-labs/modal-client#2797"),
-    "RTX4090": ("4090", 24564, 23.68, "nvidia-smi on RTX 4090 machines in public logs; CUDA: zai-org/CogVideo#36"),
-    "L4": ("L4", 23034, None, "nvidia-smi: modal-labs/modal-client#2797"),
-}
-DRIVER_MIB_WHEN_UNKNOWN = 768  # the largest driver reserve of the four GPUs above with both figures (A100-80GB)
 CONTEXT_MIB = 400  # the CUDA context with lazy module loading (CUDA >= 11.7): ~400 MB, pytorch/pytorch#109888
-# cuBLAS's workspaces, taken from PyTorch's allocator per handle and stream: 4096 KiB x 8 on sm90 (Hopper),
-# else 2 x 4096 KiB + 8 x 16 KiB (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize), one
-# for the main thread and one for autograd's, which runs backward (ledger/run.blas_workspaces measures them)
-WORKSPACE = {"sm90": 2 * 4096 * 1024 * 8, "other": 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)}
-HOPPER = ("H200", "H100")
 MFU = 0.40  # the utilization of the GPU's peak the step time assumes, stated, not measured
 TARGET_TOKENS = 2 ** 19  # the default target batch, tokens per optimizer step (nanoGPT's GPT-2 run: 524,288)
-SIZE = re.compile(r"([0-9]+(?:[.][0-9]+)?)(GiB|GB|MiB|MB)", re.IGNORECASE)
-UNITS = {"gib": GIB, "gb": 10 ** 9, "mib": MIB, "mb": 10 ** 6}
-LARGEST = 2 ** 50  # bytes: a GPU given by size is at most 1 PiB (the walk's figures are 64-bit integers)
+# ---------------------------------------------------------------- a big step from four small traces
+
+def units(cfg):
+    """(blocks per unit k, full units q, blocks left over r) of cfg's recompute policy: L = q*k + r."""
+    policy_units = checkpoint.policy(cfg).block_units(cfg.n_layer)
+    k = len(policy_units[0]) if policy_units else 1
+    return k, cfg.n_layer // k, cfg.n_layer % k
 
 
-@dataclass(frozen=True)
-class GPU:
-    """A GPU the plan fits into: its name, the bytes CUDA reports (total), what the driver keeps
-    beyond that (driver), its peak TFLOP/s per precision (None: given by size), the figures' source,
-    and cuBLAS's workspaces there (the larger, sm90's, for a GPU given by size)."""
-    name: str
-    total: int
-    driver: int
-    tflops: dict
-    source: str
-    workspace: int = WORKSPACE["sm90"]
+def at_depth(cfg, q, b):
+    """cfg with q full units (and the same leftover blocks), micro-batch b; sqrt keeps its segment."""
+    k, _, r = units(cfg)
+    segment = k if checkpoint.policy(cfg).takes_segment else cfg.ckpt_segment
+    return replace(cfg, n_layer=q * k + r, batch_size=b, ckpt_segment=segment)
 
 
-def find_gpu(text):
-    """A GPU of GPUS by name (any case), or one given by its size ("24GiB", "80GB": what CUDA reports)."""
-    size = SIZE.fullmatch(text.replace(" ", ""))
-    if size:
-        number, unit = size.group(1), UNITS[size.group(2).lower()]
-        if float(number) * unit > LARGEST:  # (a number past float's range is inf: refused too)
-            raise UsageError(f"--gpu={text}: this planner takes a GPU of at most {LARGEST // GIB:,} GiB")
-        return GPU(text, int(float(number) * unit), 0, None, "given")
-    if re.fullmatch(r"[-+.0-9eE]+\s*[A-Za-z]*", text.strip()):
-        raise UsageError(f"--gpu={text}: a size is a positive number and GiB, GB, MiB or MB (24GiB, 80GB), "
-                         f"or name a GPU of the table ({', '.join(GPUS)})")
-    names = {name.lower(): name for name in GPUS}
-    name = names.get(text.lower().replace(" ", ""))
-    if name is None:
-        nearest = [n for n in GPUS if n.lower().startswith(text.lower())] or \
-            difflib.get_close_matches(text.upper(), list(GPUS), 1, 0.3)
-        raise UsageError(f"--gpu={text} is no GPU of the table ({', '.join(GPUS)})"
-                         + (f"; the nearest is {' or '.join(nearest)}" if nearest else "")
-                         + ", nor a size such as 24GiB")
-    key, smi_mib, cuda_gib, source = GPUS[name]
-    driver = smi_mib * MIB - int(cuda_gib * GIB) if cuda_gib else DRIVER_MIB_WHEN_UNKNOWN * MIB
-    return GPU(name, smi_mib * MIB - driver, driver, flops.CUDA_PEAK_TFLOPS[key], source,
-               WORKSPACE["sm90" if name in HOPPER else "other"])
+def segments(points, q, k, window, step=False):
+    """{where: [(op, bytes, storages, large)]} of a traced timeline up to its optimizer step, each block by its place: (its unit's
+    distance from the first or the last, within `window`, or "leftover"; its index in its unit); a middle unit's
+    points are left out (blocks are alike: between its neighbours' its bytes cannot be the highest)."""
+    out = {}
+    for (n, phase, where), op, *counts in points:
+        if phase == "step" and not step:
+            continue  # the optimizer's step is traced at full depth on its own (Peaks)
+        if where is not None:
+            kind, i = where
+            unit, j = divmod(i, k)
+            place = ("first", unit) if unit < window else ("last", q - 1 - unit) if q - window <= unit < q else \
+                ("leftover", 0) if unit == q else None
+            if place is None:
+                continue
+            where = (kind, place, j)
+        out.setdefault((n, phase, where), []).append((op, *counts))
+    return out
+
+
+def _runs(points):
+    """A per-parameter loop's points (one op in a row, each an allocation: bytes rising) as its last."""
+    out = []
+    for point in points:
+        if out and out[-1][0] == point[0]:
+            if point[1] < out[-1][1]:
+                raise ValueError("a run of one op whose bytes fall: its points are not a loop's")
+            out[-1] = point
+        else:
+            out.append(point)
+    return out
+
+
+class Extended:
+    """cfg's traced step at its depth and any micro-batch b >= 2 (b=(1,): at b = 1), from traces at 2 and 3
+    units and micro-batches 2 and 3 (a model of 3 units or fewer: traced at its depth, extended in b alone).
+    Each point and each figure f is f22 + (q-2)(f32 - f22) + (b-2)(f23 - f22) + (q-2)(b-2)(f33 - f32 - f23 + f22):
+    a point's bytes, and the storages alive there (all, and those over 1 MiB: what the CUDA allocator rounds)."""
+
+    def __init__(self, cfg, world=1, rank=0, micro_steps=1, b=(2, 3)):
+        k, q, _ = units(cfg)
+        window, self.depths = self.depths_of(cfg)
+        self.q, self.bs = q, (b[0], b[-1])
+        self.traced = {(i, j): trace.step(at_depth(cfg, d, bb), world, rank, micro_steps, planned=True)
+                       for i, d in enumerate(self.depths) for j, bb in enumerate(self.bs)}
+        timelines = {key: segments(t["points"], self.depths[key[0]], k, window, cfg.shard == "fsdp")
+                     for key, t in self.traced.items()}
+        labels = list(timelines[0, 0])
+        if any(list(t) != labels for t in timelines.values()):
+            raise ValueError("the small traces' timelines differ in their phases or blocks")
+        self.points, self.where = {key: [] for key in timelines}, []
+        for label in labels:
+            runs = {key: t[label] for key, t in timelines.items()}
+            if len({len(p) for p in runs.values()}) > 1:
+                runs = {key: _runs(p) for key, p in runs.items()}
+            if len({len(p) for p in runs.values()}) > 1:
+                raise ValueError(f"the small traces' timelines differ at {label}")
+            for key, p in runs.items():
+                self.points[key] += [counts for _, *counts in p]
+            self.where += [label] * len(runs[0, 0])
+        self.points = {key: np.asarray(p, dtype=np.int64).reshape(-1, 3) for key, p in self.points.items()}
+
+    @staticmethod
+    def depths_of(cfg):
+        """(window, the two depths traced): FSDP's backward gathers the next block early, so its last block
+        differs from the one before it: two units at each end are told apart (traced at 4 and 5 units)."""
+        window = 2 if cfg.shard == "fsdp" else 1
+        q = units(cfg)[1]
+        return window, ((2 * window, 2 * window + 1) if q > 2 * window + 1 else (q, q))
+
+    @staticmethod
+    def requests(cfg, world=1, rank=0, micro_steps=1, b=(2, 3)):
+        """The traces it reads, as trace.prefetch takes them."""
+        return [("step", at_depth(cfg, d, bb), world, rank, micro_steps, True)
+                for d in Extended.depths_of(cfg)[1] for bb in (b[0], b[-1])]
+
+    def _at(self, f, b):
+        """f(i, j) of the four traces, extended to this depth and micro-batch b."""
+        dq, db, span = self.q - self.depths[0], b - self.bs[0], max(1, self.bs[1] - self.bs[0])
+        f00, f01, f10, f11 = f(0, 0), f(0, 1), f(1, 0), f(1, 1)
+        return f00 + dq * (f10 - f00) + db * ((f01 - f00) // span) + dq * db * ((f11 - f10 - f01 + f00) // span)
+
+    def figure(self, name, b):
+        """A figure of the traces (a number, or a tuple of them) at this depth and b."""
+        out = self._at(lambda i, j: np.asarray(self.traced[i, j][name], dtype=np.int64), b)
+        return int(out) if out.ndim == 0 else out
+
+    def phase(self, name, b):
+        return self._at(lambda i, j: self.traced[i, j]["phase"][name], b)
+
+    def line(self):
+        """The points as lines in b, x + b*y, each a row of (bytes, storages, storages over 1 MiB)."""
+        at = self._at(lambda i, j: self.points[i, j], self.bs[0])
+        y = self._at(lambda i, j: self.points[i, j], self.bs[0] + 1) - at if self.bs[1] > self.bs[0] else 0 * at
+        return at - self.bs[0] * y, y
+
+
+def said(label):
+    """A timeline's place in words."""
+    n, phase, where = label
+    if where is None:
+        return phase
+    kind, (end, away), j = where
+    unit = "the leftover unit" if end == "leftover" else f"the {end} unit" if away == 0 else \
+        f"the {'second' if end == 'first' else 'next-to-last'} unit"
+    return f"{phase}: block {j} of {unit}, its {kind}"
 
 
 # ---------------------------------------------------------------- one configuration, every micro-batch
 
 class Peaks:
-    """One configuration's step, walked on every rank that differs (ZeRO's slices), as a function of
-    the micro-batch b. SHARD=none is DDP when world > 1 (its buckets held all step), one process when
-    world = 1; fsdp is the ZeRO-3 estimate. micro_steps: 2 walks a later micro-step too (K > 1)."""
+    """One configuration's step on each kind of rank, as lines in the micro-batch b (x + b*y per point):
+    SHARD=none is one process (world 1) or DDP; zero1/zero2 share none's forward and backward, each kind
+    of rank tracing its own optimizer step; fsdp is traced as it runs. b=(1,): at micro-batch 1."""
 
-    def __init__(self, cfg, world, micro_steps=1, befores=None):
-        self.cfg, self.world, self.micro_steps = cfg, world, micro_steps
-        self.befores = {} if befores is None else befores  # walks shared with the other shardings
+    def __init__(self, cfg, world, micro_steps=1, b=(2, 3)):
+        self.cfg, self.world, self.micro_steps, self.one = cfg, world, micro_steps, b == (1,)
         self.ranks = list(differing_ranks(cfg, world)) if cfg.shard in zero.STAGES else [0]
+        # one micro-step read off a trace of two, but under FSDP (whose first of two skips its reduce-scatter):
+        # its three phases, then the optimizer's step, which finds the same bytes alive after either
+        self.traced_steps = micro_steps if cfg.shard == "fsdp" else 2
+        self.ext = Extended(*self._run(cfg, world, micro_steps), b)
+        self.lines = self._lines()
 
-    def before(self, b):
-        """step.Before at micro-batch b: the walk up to the optimizer step, the same on every rank (the
-        one of two micro-steps read off the walk of two where there is one)."""
-        cfg = replace(self.cfg, batch_size=b)
-        grads_split = self.world if cfg.shard == "fsdp" else 1
-        key = (repr(replace(cfg, shard="none")), grads_split)
-        if (key, 2) in self.befores and self.micro_steps == 1:
-            self.befores[key, 1] = self.befores[key, 2].first_micro_step()
-        if (key, self.micro_steps) not in self.befores:
-            self.befores[key, self.micro_steps] = step.walk_before(lambda optimizer: ml.peak_walk(
-                cfg, grads_split, static=0, optimizer=optimizer, micro_steps=self.micro_steps))
-        return self.befores[key, self.micro_steps]
+    @staticmethod
+    def _run(cfg, world, micro_steps):
+        """(cfg, world, rank, micro-steps) of the extension: FSDP as it runs, the others unsharded, alone."""
+        if cfg.shard == "fsdp":
+            return cfg, world, 0, micro_steps
+        return replace(cfg, shard="none"), 1, 0, 2
 
-    @functools.cached_property
-    def tails(self):
-        """Per rank: (static bytes less the batch's, the optimizer step's points less the bytes alive as
-        it starts, their places, storages alive at its peak). Walked once: the optimizer step moves
-        parameter-sized tensors only, so at every b it is these points on top of what is alive then."""
-        cfg = replace(self.cfg, batch_size=2)  # any b: 2 is walked anyway
-        before, out = self.before(2), []
+    @staticmethod
+    def requests(cfg, world, micro_steps=1, b=(2, 3)):
+        """The traces it reads, as trace.prefetch takes them: the extension's, each kind of rank's step."""
+        ranks = differing_ranks(cfg, world) if cfg.shard in zero.STAGES else [0]
+        steps = [] if cfg.shard == "fsdp" else \
+            [("optimizer step", trace.optimizer_config(cfg), 1 if cfg.shard == "none" else world, r) for r in ranks]
+        return Extended.requests(*Peaks._run(cfg, world, micro_steps), b) + steps
+
+    def _lines(self):
+        """{rank: (x, y, where)}: each point x + b*y (bytes, storages, storages over 1 MiB) and its place. The
+        forward and backward are the extension's, the optimizer's step the rank's own, traced at full depth
+        (trace.optimizer_step) and set on what the extension says is alive as it begins; FSDP's all the
+        extension's (its optimizer's step is alike block by block)."""
+        x, y = self.ext.line()
+        where, b0 = list(self.ext.where), self.ext.bs[0]
+        if self.cfg.shard == "fsdp":  # FSDP's own first step leaves its state, its optimizer's steps alike blocks
+            return {0: (x, y, where)}
+        ahead = np.array([label[1] != "step" and (self.traced_steps == self.micro_steps or label[0] <= 3)
+                          for label in where], dtype=bool)
+        start = [self.ext.phase("step", b) for b in (b0, b0 + (not self.one))]
+        buffers = self.ext.figure("buffer_counts", b0)
+        out = {}
         for rank in self.ranks:
-            static = ls.rank_static(cfg, cfg.shard, self.world, rank) - ml.input_bytes(cfg)
-            tail = step.tail(before, 0, ls.optimizer_walk(cfg, cfg.shard, self.world, rank))
-            grads_alive = tail.parts.get("parameter gradients", 0) > 0  # one entry in the tail: count each .grad
-            counted = tail.peak_count + (ml.param_count(cfg)[1] - 1) * grads_alive
-            offsets = np.asarray(tail.totals, dtype=np.int64) - before.alive
-            out.append((static, int(offsets.max()), tail.steps[int(offsets.argmax())], counted))
+            # this rank's states (and DDP's buckets) for what the extension's held (bytes, storages, large ones)
+            z = self.optimizer_step(rank)
+            shift = np.asarray(z["held"]) - self.ext.figure("held", b0) + [self._ddp(), 0, 0]
+            steps = np.asarray(z["points"], dtype=np.int64).reshape(-1, 3) - [z["start"], 0, 0]
+            y_step = np.tile([start[1] - start[0], 0, 0], (len(steps), 1))
+            x_step = steps + [start[0] - b0 * (start[1] - start[0]) + shift[0], *(buffers - z["buffers"])[1:]]
+            out[rank] = (np.concatenate([x[ahead] + shift, x_step]), np.concatenate([y[ahead], y_step]),
+                         [w for w, a in zip(where, ahead) if a] + [(0, "step", None)] * len(steps))
         return out
 
-    def points(self, b):
-        """(the shared points, their places, per rank (its static bytes, its optimizer step's peak)) at b."""
-        before, batch = self.before(b), ml.input_bytes(replace(self.cfg, batch_size=b))
-        return (np.asarray(before.totals, dtype=np.int64), before.steps,
-                [(static + batch, static + batch + before.alive + top) for static, top, _, _ in self.tails])
-
-    @functools.cached_property
-    def lines(self):
-        """The points as lines, x + b*y bytes at b >= 2, from b = 2 and 3: the shared points', then per
-        rank its static bytes' and its optimizer step's peak. None where b = 2 and 3 walk different
-        points or a point shrinks as b grows (then: whole walks)."""
-        (t2, s2, r2), (t3, s3, r3) = self.points(2), self.points(3)
-        if s2 != s3:
-            return None
-        line = lambda at2, at3: (at2 - 2 * (at3 - at2), at3 - at2)  # noqa: E731
-        shared = line(t2, t3)
-        ranks = [(line(a[0], c[0]), line(a[1], c[1])) for a, c in zip(r2, r3)]
-        if (shared[1] < 0).any() or any(y < 0 for pair in ranks for _, y in pair):
-            return None
-        return shared, ranks
+    def _ddp(self):
+        return self.ext.figure("parameters", self.ext.bs[0]) if self.cfg.shard == "none" and self.world > 1 else 0
 
     def at(self, b):
-        """(peak bytes, where, rank) at micro-batch b: the highest point of the highest rank."""
-        if b >= 2 and self.lines:  # read off the lines: no walk at b
-            (x, y), ranks = self.lines
-            shared, steps = x + b * y, self.before(2).steps
-            ranks = [(xs + b * ys, xt + b * yt) for (xs, ys), (xt, yt) in ranks]
-        else:
-            shared, steps, ranks = self.points(b)
-        i, tops = int(shared.argmax()), []
-        for rank, (static, top), (_, _, where, _) in zip(self.ranks, ranks, self.tails):
-            tops += [(int(static + shared[i]), steps[i], rank), (int(top), where, rank)]
-        return max(tops, key=lambda top: top[0])
+        """(peak bytes, where, rank, storages alive there, those over 1 MiB) at micro-batch b."""
+        best = None
+        for rank, (x, y, where) in self.lines.items():
+            alive = x + b * y
+            i = int(alive[:, 0].argmax())
+            if best is None or alive[i, 0] > best[0]:
+                best = (int(alive[i, 0]), said(where[i]), rank, int(alive[i, 1]), int(alive[i, 2]))
+        return best
 
     def largest(self, budget, limit=1 << 20):
-        """The largest micro-batch whose peak fits `budget` bytes (0: not even one sequence), at most limit."""
-        if self.lines is not None:
-            (x, y), ranks = self.lines
-            best = min([_most(x + xs, y + ys, budget, limit) for xs, ys in {r[0] for r in ranks}] +
-                       [_most(np.array([xt]), np.array([yt]), budget, limit) for _, (xt, yt) in ranks])
-            if best >= 2:
-                return best
-            return 1 if self.at(1)[0] <= budget else 0
-        lo, hi = 0, 1  # the points depend on b after all: bisect over whole walks
-        while hi <= limit and self.at(hi)[0] <= budget:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.at(mid)[0] <= budget else (lo, mid)
-        return lo
+        """The largest b >= 2 whose peak fits `budget` bytes, at most limit; 1 if not even b = 2 fits."""
+        return min(_most(x[:, 0], y[:, 0], budget, limit) for x, y, _ in self.lines.values())
 
-    def storages(self):
-        """Storages alive at the peak, at most (the walk's, each rank's static ones) and how many of them
-        may exceed 1 MiB: what the CUDA allocator's rounding and block slack are bounded by."""
-        dynamic = max([self.before(b).peak_count for b in (2, 3)] + [counted for *_, counted in self.tails])
-        count, large = max(static_storages(self.cfg, self.world, rank) for rank in self.ranks)
-        return count + dynamic, large + dynamic
+    def states(self):
+        """What the highest-holding rank holds all step: its states, buffers, FP32 sums (and DDP's buckets)."""
+        if self.cfg.shard == "fsdp":
+            return self.ext.phase("before", self.ext.bs[0]) - self.ext.figure("inputs", self.ext.bs[0])
+        held = max(self.optimizer_step(rank)["held"][0] for rank in self.ranks)
+        return held + self.ext.figure("buffers", self.ext.bs[0]) + self._ddp()
+
+    def optimizer_step(self, rank):
+        """The rank's optimizer step, traced at full depth (DDP's: one process's, on every rank alike)."""
+        return trace.optimizer_step(self.cfg, 1 if self.cfg.shard == "none" else self.world, rank)
+
+
+def param_shapes(cfg):
+    """Each parameter's shape in model.GPT's order, the model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return [tuple(p.shape) for p in GPT(cfg, linear_factory=precision.recipe(cfg).linear_factory()).parameters()]
 
 
 def differing_ranks(cfg, world):
     """The first ZeRO rank of each kind: ranks whose slices cut the same pieces (their lengths, matrix
-    or not, in order) hold and step alike, so one of them is walked. Most hold one piece of one matrix."""
-    return _first_of_each_kind(ls.param_sizes(cfg), tuple(len(s) >= 2 for s in ls.param_shapes(cfg)), world)
-
-
-@functools.lru_cache(maxsize=16)
-def _first_of_each_kind(sizes, matrices, world):
+    or not, in order) hold and step alike, so one of them is traced."""
+    shapes = param_shapes(cfg)
+    sizes, matrices = [math.prod(s) for s in shapes], [len(s) >= 2 for s in shapes]
     first = {}
     for rank in range(world):
         pieces = zero.Shards(sizes, world, rank).pieces()
@@ -227,63 +271,16 @@ def _most(x, y, budget, limit):
     return int(min(limit, ((budget - x[grows]) // y[grows]).min())) if grows.any() else limit
 
 
-def static_storages(cfg, world, rank):
-    """(storages, those over 1 MiB) of what rank `rank` holds all step: each state of each parameter
-    (ZeRO: the flat buffer and the pieces of its slice; fsdp: 1/N of each), the buffers, the batch
-    (taken as large), DDP's buckets (25 MiB each, the first 1 MiB: DistributedDataParallel's bucket_cap_mb)."""
-    key = (repr(cfg), world, rank)
-    if key not in _COUNTED:
-        _COUNTED[key] = _static_storages(cfg, world, rank)
-    return _COUNTED[key]
-
-
-_COUNTED = {}  # static_storages' answers: every rank of every configuration asks
-
-
-def _static_storages(cfg, world, rank):
-    rec = precision.recipe(cfg)
-    e, P = rec.element_bytes, ml.param_count(cfg)[0]
-    per_element = [4] * (2 + rec.master_weights + (cfg.fp32_grad_accum and rec.master_weights))
-    sizes = ls.param_sizes(cfg)
-    if cfg.shard in zero.STAGES:
-        pieces = [p.length for p in ls.slice_pieces(sizes, world, rank)]
-        held = [(e, P)] + [(4, n) for n in pieces for _ in per_element[:3]]
-    else:
-        held = [(c, n // (world if cfg.shard == "fsdp" else 1)) for n in sizes for c in [e] + per_element]
-    if cfg.shard == "none" and world > 1:
-        held += [(1, MIB)] + [(1, 25 * MIB)] * -(-e * P // (25 * MIB))
-    buffers = [info["numel"] for scope in (0, "embedding", "head") for info in ml.held(cfg, "buffer", scope)
-               for _ in range(cfg.n_layer if scope == 0 else 1)]
-    nbytes = [c * n for c, n in held] + buffers + [SMALL_SIZE + 1] * 2
-    return len(nbytes), sum(n > SMALL_SIZE for n in nbytes)
-
-
 # ---------------------------------------------------------------- what each configuration costs
-
-@functools.lru_cache(maxsize=8)
-def _meta_model(shape, fp8_linears, dropout):
-    cfg = Config(**dict(zip(ls.SHAPE_KEYS, shape)), precision="fp8" if fp8_linears else "bf16", dropout=dropout)
-    with torch.device("meta"):
-        return GPT(cfg, linear_factory=precision.recipe(cfg).linear_factory())
-
-
-def flops_per_token(cfg):
-    """(model FLOPs, recompute FLOPs, FLOPs in FP8) per token: model.GPT.flops_per_token and
-    checkpoint.recompute_flops_per_token, on the model built on the meta device; under fp8 the
-    blocks' Linears' forward (2 per weight) runs in FP8, the rest (backward too) in BF16."""
-    rec = precision.recipe(cfg)
-    model = _meta_model(tuple(getattr(cfg, k) for k in ls.SHAPE_KEYS), rec.fp8 is not None, cfg.dropout)
-    fp8_part = 2 * sum(p.numel() for p in model.h.parameters() if p.dim() == 2) if rec.fp8 else 0
-    again = checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg), checkpoint.rerun_stops_early(cfg, rec))
-    return model.flops_per_token(), again, fp8_part
-
 
 @dataclass
 class Row:
-    """One configuration of the plan: its recipe (PRECISION's name), ckpt, shard and attn. b, accum:
-    the micro-batch and the micro-steps to the target batch; peak and budget in bytes; sent: bytes a
-    step's collectives move (the paper's volume); step_s: the predicted step time (None without the
-    GPU's FLOP/s); why: what stops it, or None."""
+    """One configuration of the plan: its recipe (PRECISION's name), ckpt, shard and attn. b, accum: the
+    micro-batch and the micro-steps to the target batch; peak: the traced bytes at the highest point of the
+    highest rank; allocated, reserved, smi: what torch.cuda.max_memory_allocated, max_memory_reserved and
+    nvidia-smi would show there (`allocator`); budget: what reserved may reach; sent: bytes a step's
+    collectives move per rank (the paper's volume); step_s: the step time at the stated MFU (None without
+    the GPU's FLOP/s); why: what stops it, or None; states: of the peak, what the rank holds all step."""
     recipe: str
     ckpt: str
     shard: str
@@ -291,6 +288,9 @@ class Row:
     b: int = 0
     accum: int = 0
     peak: int = 0
+    allocated: int = 0
+    reserved: int = 0
+    smi: int = 0
     budget: int = 0
     where: str = ""
     recompute: float = 0.0
@@ -298,8 +298,7 @@ class Row:
     step_s: float = None
     tokens: int = 0
     why: str = None
-    estimate: bool = False
-    states: int = 0  # of the peak, what the rank holds all step: its states, buffers and batch
+    states: int = 0
 
     @property
     def tokens_per_s(self):
@@ -315,12 +314,33 @@ def configurations(world):
             if world > 1 or s == "none"]
 
 
-def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MIB * MIB):
-    """[Row] for cfg's shape on `world` GPUs of `gpu` (a GPU), fastest first, then those that do not
-    fit or run, each with why. fixed: {key: value} of SEARCHED not to vary. On device cpu the budget
-    is gpu.total exactly (no CUDA context, no allocator)."""
-    cuda, befores, rows = cfg.device != "cpu", {}, []
+def allocator(row, gpu, context, storages, large, cuda):
+    """row's allocated, reserved and nvidia-smi estimates from its traced peak: the caching allocator rounds
+    each of the `storages` alive there up to 512 bytes and holds cuBLAS's workspaces (allocated: c10/cuda/
+    CUDACachingAllocator.cpp, round_size); a storage over 1 MiB may sit in a cached block up to 1 MiB larger
+    (reserved, a bound); nvidia-smi adds the CUDA context. On CPU all three are the peak."""
+    if not cuda:
+        row.allocated = row.reserved = row.smi = row.peak
+        return
+    row.allocated = row.peak + (MIN_BLOCK - 1) * storages + gpu.workspace
+    row.reserved = row.allocated + SMALL_SIZE * large
+    row.smi = row.reserved + context
+
+
+def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MIB * MIB, batch=None, workers=1):
+    """[Row] for cfg's shape on `world` GPUs of `gpu` (a GPU), fastest first, then those that do not fit or
+    run, each with why. fixed: {key: value} of SEARCHED not to vary; batch: the micro-batch to try (None:
+    the largest that fits). On device cpu the budget is gpu.total exactly (no CUDA context, no allocator).
+    workers: processes that trace at once (trace.prefetch), the traces every configuration asks first."""
+    cuda, rows, asked = cfg.device != "cpu", [], []
     n = target_tokens // (world * cfg.block_size)  # micro-batch x K: sequences per rank per step
+    for combo in configurations(world):
+        one = replace(cfg, **dict(zip(SEARCHED, combo)), batch_size=1, accum=1, total_batch_tokens=0,
+                      device="cuda" if cuda else "cpu")
+        if not any(fixed and k in fixed and fixed[k] != v for k, v in zip(SEARCHED, combo)) and _runs_at_all(one):
+            asked += Peaks.requests(one, world, 2) + Peaks.requests(replace(one, ckpt="none", ckpt_segment=0,
+                                                                             ckpt_impl="hooks", shard="none"), 1, 2)
+    trace.prefetch(sorted(asked, key=lambda r: r[1].shard != "fsdp"), workers)  # the longest first
     for combo in configurations(world):
         if any(fixed and k in fixed and fixed[k] != v for k, v in zip(SEARCHED, combo)):
             continue
@@ -337,70 +357,82 @@ def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MI
         if gpu.tflops is not None and gpu.tflops[rec.name] is None:
             row.why = f"does not run: {gpu.name} has no {rec.name.upper()} units"
             continue
-        fit(row, one, gpu, world, n, befores, cuda, context)
-        row.recompute, row.estimate = recompute_share(one), row.shard == "fsdp"
-        row.tokens, row.sent = world * row.b * row.accum * cfg.block_size, ls.step_bytes(one, row.shard, world,
-                                                                                          row.accum)
-        peak_tflops = gpu.tflops or ({p: cfg.peak_flops / 1e12 for p in PRECISIONS} if cfg.peak_flops else None)
-        if row.why is None and peak_tflops:
-            row.step_s = row.b * row.accum * cfg.block_size * seconds_per_token(one, peak_tflops) / mfu
+        fit(row, one, gpu, world, n, context, batch)
+        if row.why is None:
+            cost(row, one, gpu, world, mfu, cfg.peak_flops)
     return sorted(rows, key=lambda r: (r.why is not None, -(r.tokens_per_s or 0), r.recompute, r.sent,
-                                       -(r.budget - r.peak)))
+                                       -(r.budget - r.reserved)))
 
 
-def recompute_share(cfg):
-    model_f, again_f, _ = flops_per_token(cfg)
-    return again_f / model_f
+def _runs_at_all(one):
+    try:
+        validate(one)
+        checkpoint.policy(one)
+        return True
+    except UsageError:
+        return False
 
 
-def seconds_per_token(cfg, peak_tflops):
-    """At 100% of the peak: the FP8 FLOPs at FP8's peak, the rest (all of it but under fp8) at the
-    precision's own (fp8: BF16's, its backward's)."""
-    rec = precision.recipe(cfg)
-    model_f, again_f, fp8_f = flops_per_token(cfg)
-    in_fp8 = fp8_f / peak_tflops["fp8"] if fp8_f else 0.0
-    return (in_fp8 + (model_f + again_f - fp8_f) / peak_tflops["bf16" if rec.fp8 else rec.name]) / 1e12
-
-
-def fit(row, one, gpu, world, n, befores, cuda, context):
-    """Fill row's micro-batch and micro-steps (the largest b dividing n, the sequences per rank per step,
-    whose peak fits; walked with a later micro-step where b < n: K > 1), its peak and states (where
-    nothing fits: the states, or the peak at b = 1) and its budget."""
-    allocator = gpu.total - context if cuda else gpu.total
-    row.states = ls.rank_static(one, one.shard, world, 0)
-    row.budget = allocator
-    if row.states > allocator:
-        row.why = f"states alone {row.states / GIB:.1f} GiB"
+def fit(row, one, gpu, world, n, context, batch):
+    """Fill row's micro-batch b and micro-steps K (the largest b dividing n, the sequences per rank per step,
+    whose reserved bytes fit; K > 1 traced with a later micro-step), or try `batch`; its peak, its
+    allocator's figures, its states and its budget."""
+    cuda = one.device == "cuda"
+    row.budget = gpu.total - context if cuda else gpu.total
+    if batch is None:
+        most = 1
+        if n > 1:
+            later = Peaks(one, world, 2)
+            most = later.largest(row.budget - (gpu.workspace if cuda else 0))
+            while most >= 2 and _reserved(later, most, gpu, cuda) > row.budget:
+                most -= 1  # the allocator's rounding and block slack come on top of the bytes
+        b = n if most >= n else max([1] + [d for d in range(2, most + 1) if n % d == 0])
+    elif n % batch:
+        row.why = f"BATCH_SIZE={batch} does not divide the {n} sequences each GPU takes per step"
         return
-    later, one_step = Peaks(one, world, 2, befores), Peaks(one, world, 1, befores)
-    row.budget = budget(later, gpu, context, cuda)
-    most = later.largest(row.budget) if n > 1 else 1
-    if most >= n:  # one micro-step holds the whole batch: K = 1, which peaks no higher than K = 2
-        row.b, row.accum = n, 1
     else:
-        row.b = max((d for d in range(1, most + 1) if n % d == 0), default=0)
-        row.accum = n // row.b if row.b else 0
-    row.peak, row.where, _ = (one_step if row.accum == 1 else later).at(max(row.b, 1))
-    row.states += ml.input_bytes(replace(one, batch_size=max(row.b, 1))) - ml.input_bytes(one)
-    if row.b == 0 or row.peak > row.budget:  # the second: n = 1, one sequence in one micro-step
-        row.b = row.accum = 0
-        row.why = f"b=1 peaks at {row.peak / GIB:.1f} GiB ({row.where})"
+        b = batch
+    peaks = Peaks(one, world, 1 if b == n else 2, (1,) if b == 1 else (2, 3))
+    row.peak, row.where, _, storages, large = peaks.at(b)
+    allocator(row, gpu, context, storages, large, cuda)
+    row.states = peaks.states()
+    if row.reserved > row.budget:
+        row.why = f"b={b} peaks at {row.reserved / GIB:.1f} GiB reserved ({row.where})"
+        return
+    row.b, row.accum = b, n // b
 
 
-def budget(peaks, gpu, context, cuda=True):
-    """The bytes a peak may reach on `gpu`: its total less the CUDA context, cuBLAS's workspaces and
-    allocator_bound; on CPU its bytes as given (ledger/measure.py counts live storages: nothing else)."""
-    return gpu.total - context - gpu.workspace - allocator_bound(peaks) if cuda else gpu.total
+def _reserved(peaks, b, gpu, cuda):
+    peak, _, _, storages, large = peaks.at(b)
+    return peak + ((MIN_BLOCK - 1) * storages + gpu.workspace + SMALL_SIZE * large if cuda else 0)
 
 
-def allocator_bound(peaks):
-    """What CUDA's caching allocator may count beyond the storages alive at peaks' highest point: each
-    rounded up to 512 bytes, one over 1 MiB in a block up to 1 MiB larger (ledger/measure.allocator_bounds)."""
-    count, large = peaks.storages()
-    return (MIN_BLOCK - 1) * count + SMALL_SIZE * large
+def cost(row, one, gpu, world, mfu, peak_flops):
+    """row's recompute share, what a step sends, its tokens and (with the GPU's FLOP/s) its step time."""
+    b, k = row.b, row.accum
+    peaks = Peaks(one, world, 1 if k == 1 else 2, (1,) if b == 1 else (2, 3))
+    per_micro_step = lambda p, name: p.ext.figure(name, b) / p.traced_steps  # noqa: E731
+    flops = per_micro_step(peaks, "flops") * k
+    # the model's FLOPs: no recompute, whatever the sharding (one process's forward and backward)
+    model = per_micro_step(Peaks(replace(one, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", shard="none"), 1,
+                                 1 if k == 1 else 2, (1,) if b == 1 else (2, 3)), "flops") * k
+    row.recompute, row.tokens = flops / model - 1, world * b * k * one.block_size
+    row.sent = sent(one, peaks, world, b, k)
+    tflops = gpu.tflops or ({p: peak_flops / 1e12 for p in PRECISIONS} if peak_flops else None)
+    if tflops:
+        fp8 = per_micro_step(peaks, "fp8_flops") * k
+        rest = precision.recipe(one).name if precision.recipe(one).fp8 is None else "bf16"
+        row.step_s = (fp8 / (tflops["fp8"] or 1) + (flops - fp8) / tflops[rest]) / 1e12 / mfu
 
 
-def largest_micro_batch(cfg, nbytes, world=1, micro_steps=1):
-    """The largest micro-batch of cfg (its shard, over `world` ranks) whose peak fits `nbytes`: the
-    what-if's (ledger/parallel.what_if) and the plan's one solve (Peaks.largest)."""
-    return Peaks(cfg, world, micro_steps).largest(nbytes)
+def sent(cfg, peaks, world, b, k):
+    """Bytes a step's collectives move per rank (the paper's volume, ledger/comm.py), as they were issued:
+    DDP's all-reduce of its buckets (trace.DDP); ZeRO's from its optimizer step's trace; FSDP's from its
+    trace, whose all-gathers a micro-step repeats (K of them a step) and whose reductions it does not."""
+    if world == 1:
+        return 0
+    if cfg.shard == "none":
+        return 2 * peaks.ext.figure("parameters", b) * (1 if cfg.fp32_grad_accum is False else 2)
+    if cfg.shard in zero.STAGES:
+        return max(comm.volume(peaks.optimizer_step(rank)["calls"]) for rank in peaks.ranks)
+    return peaks.ext.figure("sent", b) + (k - peaks.traced_steps) * peaks.ext.figure("gathered", b)

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from guards import cli  # noqa: E402
+from ledger import comm  # noqa: E402
 from tools.ledger_ranks import measure_shard  # noqa: E402
 
 
@@ -29,7 +30,7 @@ def main(out, cases, argv):
             one = replace(cfg, **case)
             mine = measure_shard(one, one.shard, rank, world)
             every = [None] * world
-            dist.all_gather_object(every, [mine["measured"]["peak"], mine["volume"]])
+            dist.all_gather_object(every, [mine["measured"]["peak"], comm.volume(mine["calls"])])
             figures.append(every)
         if rank == 0:
             Path(out).write_text(json.dumps(figures))

@@ -15,10 +15,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import accumulate
 import checkpoint
+import flops
 import memory_ledger
 import precision
 from config import Config, UsageError
 from guards import cli
+from ledger import trace
 from ledger.measure import LiveTensors, SavedBytes
 from model import GPT, run_blocks_in_order
 from tools.demos import counted_step_flops
@@ -547,17 +549,17 @@ def test_a_new_policy_is_one_class(monkeypatch, tmp_path):
     oracle.block_runner = run
     assert_same(ours, train_step(oracle, x, y))
     assert inner is run_blocks_in_order
-    per_token = checkpoint.recompute_flops_per_token(make_model("every_other"), EveryOther())
-    assert per_token * 2 == checkpoint.recompute_flops_per_token(make_model("full"), checkpoint.Full())
+    per_token = flops.per_token(Config(**SMALL, ckpt="every_other"))[1]
+    assert per_token * 2 == flops.per_token(Config(**SMALL, ckpt="full"))[1], "HFU's extra FLOPs of every other block"
     assert "every_other" in cli.usage()
     flags = ["--n_layer=3", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--max_iters=2",
              "--sample_tokens=0", "--ledger=false", "--ckpt=every_other", f"--out_dir={tmp_path}"]
     assert train.main(flags) == 0 and (tmp_path / "snapshot.pt").exists()
     cfg = cli.parse_args(flags[:5] + ["--ckpt=every_other", "--dropout=0.1", "--device=cpu"])
-    meas = tool.run_config(cfg, torch.device("cpu"))
-    rows, ok = tool.compare(cfg, meas)
-    assert ok and rows[-1][1] == rows[-1][2], tool.failure(cfg, rows, meas)
-    assert memory_ledger.rng_state_bytes(cfg) == 2 * torch.get_rng_state().numel()  # units 0 and 2
+    meas, traced = tool.run_config(cfg, torch.device("cpu")), trace.step(cfg)
+    rows, ok = tool.compare(cfg, traced, meas)
+    assert ok, tool.failure(cfg, rows)
+    assert traced["rng_states"] == 2 * torch.get_rng_state().numel(), "one RNG state each for units 0 and 2"
 
 
 # ---------------------------------------------------------------- FLOPs
@@ -610,12 +612,13 @@ def test_recompute_flops(dropout):
             whole = [checkpoint.apply_policy(make_model(dropout=dropout), checkpoint.POLICIES[policy](),
                                              recompute_fn=recompute_fn, stop_early=False) for _ in range(2)]
             assert step_flops(whole[0], x, y) - total["none"] == extra, (recompute_fn.__name__, policy)
-            assert checkpoint.recompute_flops_per_token(whole[0], checkpoint.POLICIES[policy](), stop_early=False) \
-                * B * T == extra
+            assert flops.per_token(Config(**SMALL, ckpt=policy, dropout=dropout), stop_early=False)[1] * B * T \
+                == extra, f"{policy}: HFU's extra FLOPs without the early stop"
             assert_same(train_step(whole[1], x, y), train_step(make_model(dropout=dropout), x, y))
     for policy in ("none", "full", "sqrt", "selective"):  # HFU's extra term is the counted extra
-        per_token = checkpoint.recompute_flops_per_token(models[policy], checkpoint.POLICIES[policy]())
-        assert per_token * B * T == total[policy] - total["none"], policy
+        per_token = flops.per_token(Config(**SMALL, ckpt=policy, dropout=dropout))[1]
+        assert per_token * B * T == total[policy] - total["none"], \
+            f"{policy}: HFU's extra FLOPs {per_token * B * T:,.0f}, FlopCounterMode's {total[policy] - total['none']:,}"
 
 
 # ---------------------------------------------------------------- saved activations
@@ -718,7 +721,8 @@ def test_saved_bytes_equal_the_memory_ledger_formulas(saved):
     for policy in saved:
         for L in LAYERS:
             shape = Config(n_layer=L, batch_size=MB, precision="fp32", ckpt=policy, **MEM)
-            assert saved[policy][L][0] == memory_ledger.activation_bytes(shape), (policy, L)
+            traced = trace.step(shape)["activations"]
+            assert saved[policy][L][0] == traced, f"{policy}, L={L}: saved {saved[policy][L][0]:,}, traced {traced:,}"
 
 
 @pytest.mark.parametrize("policy", ["full", "sqrt", "selective"])
@@ -734,12 +738,11 @@ def test_no_grad_evaluation_equals_none(policy):
 def test_counted_step_flops_cli_agrees_with_the_formula():
     flags = ["--n_layer=3", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2"]
     counted = counted_step_flops(flags)
-    model = make_model("none", n_layer=3, n_embd=32, n_head=2, block_size=16)
-    tokens = 2 * 16
+    shape, tokens = dict(n_layer=3, n_embd=32, n_head=2, block_size=16), 2 * 16
     for policy in ("full", "sqrt", "selective"):
-        extra = checkpoint.recompute_flops_per_token(model, checkpoint.POLICIES[policy]())
-        assert counted[policy] - counted["none"] == extra * tokens
-    assert counted["none"] == model.flops_per_token() * tokens
+        extra = flops.per_token(Config(**shape, ckpt=policy))[1]
+        assert counted[policy] - counted["none"] == extra * tokens, f"{policy}: HFU's extra FLOPs"
+    assert counted["none"] == flops.per_token(Config(**shape))[0] * tokens, "MFU's FLOPs"
 
 
 class MLPOnly(checkpoint.Policy):
@@ -767,13 +770,13 @@ def test_an_mlp_only_policy_is_one_class(monkeypatch, dropout):
     assert_same(ours, train_step(oracle, x, y))
     # the re-run stops after the last tensor the MLP saves: its c_proj's input without dropout, the mask with it
     extra = step_flops(make_model("mlp", dropout=dropout), x, y) - step_flops(make_model("none", dropout=dropout), x, y)
-    assert checkpoint.recompute_flops_per_token(make_model("mlp", dropout=dropout), MLPOnly()) * B * T == extra
+    assert flops.per_token(Config(**SMALL, ckpt="mlp", dropout=dropout))[1] * B * T == extra, "HFU's extra FLOPs"
     for prec in ("fp32", "bf16"):
         cfg = cli.parse_args(["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2",
                               f"--precision={prec}", f"--dropout={dropout}", "--ckpt=mlp", "--device=cpu"])
-        meas = tool.run_config(cfg, torch.device("cpu"))
-        rows, ok = tool.compare(cfg, meas)
-        assert ok and rows[-1][1] == rows[-1][2], tool.failure(cfg, rows, meas)
+        meas, traced = tool.run_config(cfg, torch.device("cpu")), trace.step(cfg)
+        rows, ok = tool.compare(cfg, traced, meas)
+        assert ok, tool.failure(cfg, rows)
         assert meas["rng_states"] == cfg.n_layer * torch.get_rng_state().numel(), "one RNG state per MLP unit"
         # the TP rows follow the policy: at t = 1 they are what was measured, at t = 2 the split part halves
         tp = {t: parallel.tp_components(cfg, t, sp=False)["activations"] for t in (1, 2)}

@@ -1,4 +1,4 @@
-"""COMPILE=1 (train.compile_blocks): compiled blocks train as the eager ones, our recompute still
+"""COMPILE=1 (build.compile_blocks): compiled blocks train as the eager ones, our recompute still
 re-runs them (with the forward's dropout masks), full recompute keeps only the blocks' inputs, and
 what cannot work is refused in one line.
 
@@ -25,13 +25,14 @@ import torch
 
 import accumulate
 import checkpoint
+import flops
 import memory_ledger
 import train
 from config import Config, UsageError, validate
 from guards import cli, compiling
 from ledger import compiled as ledger_compiled
 from conftest import ROOT
-from ledger import measure
+from ledger import measure, trace
 
 SHAPE = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=2, device="cpu", max_iters=3,
              warmup_iters=0, learning_rate=3e-3)
@@ -214,26 +215,28 @@ def test_full_recompute_under_compile_keeps_only_the_blocks_inputs():
         with ledger_compiled.Allocations(measure.storage_bytes(static)) as allocations:
             accumulate.accumulation_step(model, parts, [batch])
         peaks[compiled] = allocations.peak
-    described = memory_ledger.activation_bytes(config(precision="fp32", ckpt="full"))  # the units' inputs, the rest
-    assert saved[True] == saved[False] == described, \
+    traced = trace.step(config(precision="fp32", ckpt="full"))["activations"]  # the units' inputs, the rest
+    assert saved[True] == saved[False] == traced, \
         f"bytes saved by the forward with full recompute: compiled {saved[True]:,}, eager {saved[False]:,}, " \
-        f"the ledger's description {described:,}"
+        f"the ledger's trace {traced:,}"
     assert peaks[True] <= peaks[False], \
         f"a step's peak with full recompute: compiled {peaks[True]:,} bytes, above eager's {peaks[False]:,}"
 
 
-def test_the_ledger_names_what_compiled_blocks_save(capsys, tmp_path):
+def test_the_ledger_names_what_compiled_blocks_save(capsys, tmp_path, monkeypatch):
     from tools import ledger
+    monkeypatch.setattr(ledger, "what_if_text", lambda opts: ("the what-if: not run by this test", True))
     flags = [f"--{k}={v}" for k, v in SHAPE.items() if k not in ("max_iters", "warmup_iters", "learning_rate")]
     status = ledger.main(flags + ["--precision=fp32", "--dropout=0.1", "--compile", "--table=formula",
                                   f"--out_dir={tmp_path}"])
     out, err = capsys.readouterr()
     assert status == 1 and "Traceback" not in err, err
-    assert "compiled blocks: saved" in out and "tensors held by compiled graphs" in out, out
+    assert "compiled blocks saved" in out and "tensors held by compiled graphs" in out, out
     # eager dropout on CPU saves its mask in the activation dtype (4 bytes here), a compiled block a bool
-    assert "unexplained, saved by h.* (CompiledFunctionBackward): bool" in out, out
-    assert "described but not saved: mlp.dropout mask" in out, out
-    assert "compiled blocks save other tensors than the eager description's" in err, err
+    lines = out.splitlines()
+    assert any(line.strip().startswith("h.* (CompiledFunctionBackward") and ": bool (" in line for line in lines), out
+    assert any("h.*.mlp.dropout (MulBackward0 other): float32" in line for line in lines), out
+    assert "the compiled blocks save other tensors than the eager trace" in err, err
 
 
 def test_the_first_step_is_timed_on_its_own_line(tmp_path):
@@ -262,14 +265,13 @@ def test_what_cannot_compile_is_refused_in_one_line(monkeypatch):
 def test_hfu_counts_what_a_compiled_rerun_runs(ckpt):
     # a compiled block saves its tensors at the end of its forward, so our re-run's early stop skips nothing
     # inside it (HFU counts the whole block again); a recomputed core stays eager and still stops early
-    from ledger.run import Report
+    from guards.report import Report
     reports = {}
     for compiled in (False, True):
         cfg = config(precision="fp32", ckpt=ckpt, compile=compiled, peak_flops=1e12)
         model, parts = train.build(cfg, torch.device("cpu"))
         reports[compiled] = Report(cfg, model, parts, torch.device("cpu"), 1, 1, 0, (0, 0), log=lambda line: None)
-    whole = model.flops_per_token() + checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg),
-                                                                            stop_early=False)
+    whole = sum(flops.per_token(cfg, stop_early=False))  # the model's FLOPs and a whole re-run of every unit
     if ckpt == "full":
         assert reports[True].hw_flops_per_token == whole > reports[False].hw_flops_per_token, \
             f"HFU's FLOPs per token: compiled {reports[True].hw_flops_per_token:,}, eager " \

@@ -20,7 +20,8 @@ from backends import fp8_te
 from guards.cli import parse_args
 from conftest import ROOT, merged
 from guards import preflight
-from ledger import run as ledger_run
+from ledger import gpus
+from guards import report as ledger_run
 from tools import bench, gpu_check
 
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--max_iters=1",
@@ -87,7 +88,7 @@ def test_gpu_check_plans_every_step_with_the_flags_given(tmp_path):
 def test_gpu_check_summary_reads_the_ledger_and_bench_files(tmp_path):
     (tmp_path / "bench.jsonl").write_text(json.dumps(dict(
         label="bf16 sdpa L12 h768", precision="bf16", ckpt="none", tokens_per_s=123456.0, ms_per_step=132.7,
-        mfu=0.41, peak_flops=989e12, peak_flops_source="NVIDIA H200, dense bf16 (flops.CUDA_PEAK_TFLOPS)",
+        mfu=0.41, peak_flops=989e12, peak_flops_source="NVIDIA H200, dense bf16 (ledger/gpus.py)",
         peak_mem_bytes=2 ** 30)) + "\n")
     row = gpu_check.bench_figures(tmp_path / "bench.jsonl")[2]
     assert "123,456.0" in row and "41.0%" in row and "989 TFLOP/s (NVIDIA H200" in row
@@ -115,9 +116,13 @@ def test_the_fast_configuration_names_the_peak_its_mfu_divides_by(monkeypatch):
     assert bench.peak_source(parse_args(["--peak_flops=1e15"]), recipe, torch.device("cpu"), 1e15) == "--peak_flops"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     peak = flops.peak_flops(cfg, recipe, torch.device("cuda"))
-    assert peak == flops.CUDA_PEAK_TFLOPS["H200"]["bf16"] * 1e12
-    assert bench.peak_source(cfg, recipe, torch.device("cuda"), peak) == \
-        "NVIDIA H200, dense bf16 (flops.CUDA_PEAK_TFLOPS)"
+    assert peak == gpus.tflops("H200")["bf16"] * 1e12, f"H200's bf16 peak {peak:,} FLOP/s, not ledger/gpus.py's"
+    assert bench.peak_source(cfg, recipe, torch.device("cuda"), peak) == "NVIDIA H200, dense bf16 (ledger/gpus.py)"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 NVL")
+    assert flops.peak_flops(cfg, recipe, torch.device("cuda")) == gpus.tflops("H100-NVL")["bf16"] * 1e12, \
+        "an H100 NVL read as another card"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Made-Up 9000")
+    assert flops.peak_flops(cfg, recipe, torch.device("cuda")) == 0.0, "an unknown GPU given another's peak"
 
 
 # ---------------------------------------------------------------- the allocator's history: Python stacks

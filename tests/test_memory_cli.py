@@ -4,9 +4,11 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import memory_ledger as ml
+import model
 import train
 from config import RunError
 from guards.cli import parse_args
+from ledger import trace
 from tools import ledger as tool
 from tools import ledger_report
 
@@ -17,15 +19,16 @@ def test_cli_prints_table_and_writes_svg(tmp_path, capsys):
     rc = tool.main(TINY + ["--precision=bf16", "--ckpt=full", f"--out_dir={tmp_path}", "--ranks=4", "--pp=2"])
     out = capsys.readouterr().out
     assert rc == 0
-    for name in ("FP32 baseline", "BF16 mixed precision", "ZeRO-3 over 4", "tensor parallel", "CPU offload",
-                 "selective checkpointing", "pipeline p=2, first stage", "pipeline p=2, last stage", "GPT-2 XL", "175B",
+    for name in ("FP32 baseline", "BF16 mixed precision", "FSDP (ZeRO-3) over 4 (rank 0)", "tensor parallel", "CPU offload",
+                 "selective checkpointing", "pipeline p=2, first stage", "pipeline p=2, last stage", "GPT-2 XL", "7B",
                  "published figure vs ours", "Table 2: TP t=8 + SP + selective", "ZeRO Table 1: P_os+g+p"):
         assert name in out, name
     assert "buffers" in out.splitlines()[3] and "rng_states" in out and "UNEXPLAINED" not in out
     assert "measured" in out and "formula" in out
     root = ET.parse(tmp_path / "memory_ledger.svg").getroot()
     rects = [r for r in root.iter("{http://www.w3.org/2000/svg}rect")]
-    n_rows = sum(1 for line in out.splitlines() if line.endswith(("measured", "formula")) or "; measured" in line)
+    table = out.split("four components x techniques", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    n_rows = sum(1 for line in table if line.endswith(("measured", "formula", "traced")))
     keys = len(ledger_report.KEYS)
     assert len(rects) == keys + keys * n_rows  # legend + six stacked components per technique (KEYS)
     assert not list(tmp_path.glob("*.partial-memtrain-*"))
@@ -41,7 +44,7 @@ def test_what_if_only_builds_nothing(monkeypatch, capsys):
     def refuse(*args, **kw):
         raise AssertionError("--what_if_only must not build a model")
     monkeypatch.setattr(train, "build", refuse)
-    assert tool.main(["--what_if_only", "--gpu_gib=40"]) == 0
+    assert tool.main(["--what_if_only", "--gpu_gib=40", "--ranks=4"]) == 0  # (the traces of the test above)
     out = capsys.readouterr().out
     assert "a 40 GiB GPU" in out and "published figure vs ours" in out and "component" not in out
     assert "dropout 0" in out  # the what-if states its assumptions
@@ -53,21 +56,16 @@ def test_help_says_how_to_print_the_what_if_alone(capsys):
     assert "--what_if_only" in out and "make ledger ARGS=--what_if_only" in out
 
 
-@pytest.mark.parametrize("target", ["activation_terms", "peak_walk"])
-def test_cli_exits_1_when_a_check_misses(tmp_path, monkeypatch, capsys, target):
-    # the what-if walks the description too: left out, so that its per-process cache never holds a patched one
+@pytest.mark.parametrize("component", ["activations", "peak"])
+def test_cli_exits_1_when_a_check_misses(tmp_path, monkeypatch, capsys, component):
+    """One byte off, in the activations or the peak, is a miss on CPU: exit status 1, the component named."""
     monkeypatch.setattr(tool, "what_if_text", lambda opts: ("the what-if: not run by this test", True))
-    real = getattr(ml, target)
-    if target == "activation_terms":  # one byte off is a miss on CPU
-        monkeypatch.setattr(ml, target, lambda c: real(c) + [ml.Term("one byte", 1, "head", False)])
-    else:  # a peak 3% high misses the 2% check
-        def high(cfg, shard=1, **walked):  # walked: what the planner asks of it (the what-if)
-            w = real(cfg, shard, **walked)
-            w.peak = int(w.peak * 1.03)
-            return w
-        monkeypatch.setattr(ml, target, high)
+    real = trace.step
+    monkeypatch.setattr(trace, "step", lambda cfg, *args, **kwargs: {**real(cfg, *args, **kwargs),
+                                                                     component: real(cfg, *args, **kwargs)[component] + 1})
     assert tool.main(TINY + ["--precision=fp32", f"--out_dir={tmp_path}", "--table=formula"]) == 1
-    assert "MISS" in capsys.readouterr().out
+    missed = [line for line in capsys.readouterr().out.splitlines() if "MISS" in line]
+    assert [line.split()[0] for line in missed] == [component], f"the misses: {missed}"
 
 
 @pytest.mark.parametrize("argv,needle", [(["--n_layer=-1"], "n_layer"), (["--n_embd=32", "--n_head=3"], "divide"),
@@ -108,16 +106,18 @@ def ranks_measured():
 
 
 @pytest.mark.parametrize("name,shape,precision", PRECISIONS, ids=[f"{n}-{p}" for n, _, p in PRECISIONS])
-def test_every_precisions_ledger_passes(ranks_measured, name, shape, precision, tmp_path, capsys):
+def test_every_precisions_ledger_passes(ranks_measured, name, shape, precision, tmp_path, capsys, monkeypatch):
     """`make ledger` end to end, every section (the sharded rows' collectives included: FP8's amax
-    all-reduce is in ledger/shard.step_collectives), exit status 0."""
+    all-reduce is in each rank's trace), exit status 0. The what-if is the same for every config
+    (test_cli_prints_table_and_writes_svg runs it)."""
+    monkeypatch.setattr(tool, "what_if_text", lambda opts: ("the what-if: not run by this test", True))
     rc = tool.main(shape + [f"--precision={precision}", f"--out_dir={tmp_path}"])
     out, err = capsys.readouterr()
     missed = [line for line in out.splitlines() if any(word in line for word in ("MISS", "skipped", "DIFFERENT",
                                                                                  "UNEXPLAINED", "unexplained"))]
     assert rc == 0 and err == "" and not missed, f"{name}, {precision}: exit status {rc}; what missed:\n" + \
         "\n".join(missed) + f"\n{err}"
-    assert "each rank's states" in out and "FP8 (native)" in out
+    assert "each rank (MiB), measured in" in out and "FP8 (native)" in out
 
 
 # ---------------------------------------------------------------- the ledger always answers (issue 27)
@@ -151,22 +151,23 @@ def test_a_section_that_cannot_run_says_why_and_the_report_goes_on(monkeypatch, 
     assert "Traceback" not in out and lines[11].startswith("peak ") and "sqrt checkpointing" in out
 
 
-def test_a_description_that_fails_leaves_the_measurement(monkeypatch, tmp_path, capsys):
-    """memory_ledger.py's block raising (a learner's op that does not exist): the measured components are
-    printed with the error in one line, every formula row says it was skipped, exit status 1."""
-    def block(g, x):
-        return g.swiglu("mlp", x)
-    monkeypatch.setattr(ml, "block", block)
-    ml._census.cache_clear()
-    try:
-        rc = tool.main(TINY + ["--precision=bf16", "--table=formula", f"--out_dir={tmp_path}"])
-    finally:
-        ml._census.cache_clear()
+def test_a_model_the_trace_cannot_run_leaves_the_measurement(monkeypatch, tmp_path, capsys):
+    """A learner's model.py that reads a tensor's value (.item(): fake tensors have none) runs for real but
+    not on fake tensors: the measured components are printed with the trace's failure in one line and what
+    it means, exit status 1, no traceback."""
+    forward = model.MLP.forward
+
+    def reading_a_value(self, x):
+        out = forward(self, x)
+        return out * 0.5 if out.abs().max().item() > 1e9 else out  # a value-dependent branch
+    monkeypatch.setattr(model.MLP, "forward", reading_a_value)
+    rc = tool.main(TINY + ["--precision=bf16", "--table=formula", f"--out_dir={tmp_path}"])
     out, err = capsys.readouterr()
-    assert rc == 1 and err == "ledger: some check missed\n" and "Traceback" not in out, out + err
-    assert "measured only; the description (memory_ledger.py) failed: AttributeError: 'Ops' object has no " \
-           "attribute 'swiglu' (tests/test_memory_cli.py:" in out
-    assert out.splitlines()[2].split()[0] == "parameters" and "  FP32 baseline: skipped: AttributeError" in out
+    assert rc == 1 and err == "ledger: the trace failed (named above)\n" and "Traceback" not in out, out + err
+    lines = out.splitlines()
+    assert lines[1].split()[:2] == ["component", "measured"] and lines[2].split()[0] == "parameters", out
+    assert any(line.startswith("the trace (ledger/trace.py: model.py on fake tensors) failed:") and
+               "test_memory_cli.py:" in line for line in lines), out
 
 
 def test_the_ranks_say_their_own_failure_in_one_line():
@@ -176,8 +177,8 @@ def test_the_ranks_say_their_own_failure_in_one_line():
     flags, _ = ledger_ranks.job_of(parse_args(SDPA))
     said, = ledger_ranks.run_ranks([(flags, ("none", "bogus"))])
     assert said.startswith(f"the sharded rows' {ledger_ranks.RANKS} processes failed: rank ") and \
-        said.endswith(", bogus: ValueError: no per-rank formula for shard=bogus (ledger/shard.py:" +
-                      said.rsplit(":", 1)[1]) and "\n" not in said, said
+        ", bogus: UsageError: --shard=bogus is not one of none|zero1|zero2|fsdp (config.py:" in said and \
+        "\n" not in said, said
 
 
 def test_the_ranks_job_parses_for_every_recompute_implementation():

@@ -1,5 +1,6 @@
-"""The memory ledger: every formula against measured bytes, exact on CPU; MemTracker as a second counter;
-what the ledger says when the model changes and its description does not."""
+"""The memory ledger: model.py's step traced on fake tensors (ledger/trace.py) against the same step run
+and measured, exact on CPU; every saved tensor put under a term of the chapter's formulas by the op and
+module that saved it; MemTracker as an independent counter; what a learner's change reads like."""
 import contextlib
 import functools
 import itertools
@@ -7,21 +8,17 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 import accumulate
-import checkpoint
 import memory_ledger as ml
 import model
-import precision
 import train
 from config import Config
-from guards.cli import parse_args
 from conftest import merged
-from ledger import explain, measure, papers, step
-from ledger.ops import Ops
-from ledger.shard import meta_model
+from guards.cli import parse_args
+from ledger import measure, papers, trace
 from tools import ledger as tool
 
 TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--seed=3"]
@@ -30,29 +27,37 @@ TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_
 def ledger(argv, device="cpu"):
     cfg = replace(parse_args(merged(*TINY, *argv)), device=device)
     meas = tool.run_config(cfg, torch.device(device))
-    rows, ok = tool.compare(cfg, meas)
-    return cfg, {r[0]: r for r in rows}, ok, meas
+    traced = trace.step(cfg)
+    rows, ok = tool.compare(cfg, traced, meas)
+    return cfg, {r[0]: r for r in rows}, ok, meas, traced
 
 
 def combinations():
-    """precision x ckpt x attn x dropout x bias; selective recomputes the manual core only. fp8 both
-    ways: the BF16 backward and HYBRID's E5M2 one (fp8-e5m2 in the ids)."""
-    for prec, ckpt, attn, drop, bias in itertools.product(("fp32", "bf16", "fp16", "fp8", "fp8e5m2"),
-                                                         ("none", "full", "sqrt", "selective"), ("manual", "sdpa"),
-                                                         ("0.0", "0.1"), ("true", "false")):
+    """precision x ckpt x attn x dropout (bias off in a few); selective recomputes the manual core only. fp8
+    both ways: the BF16 backward and HYBRID's E5M2 one (fp8-e5m2 in the ids)."""
+    for prec, ckpt, attn, drop in itertools.product(("fp32", "bf16", "fp16", "fp8", "fp8e5m2"),
+                                                    ("none", "full", "sqrt", "selective"), ("manual", "sdpa"),
+                                                    ("0.0", "0.1")):
         if not (ckpt == "selective" and attn == "sdpa"):
             precision = ["--precision=fp8", "--fp8_grad=e5m2"] if prec == "fp8e5m2" else [f"--precision={prec}"]
+            bias = "false" if (prec, ckpt) in (("bf16", "sqrt"), ("fp32", "selective"), ("fp8", "full")) else "true"
             yield precision + [f"--ckpt={ckpt}", f"--attn={attn}", f"--dropout={drop}", f"--bias={bias}"]
 
 
 @pytest.mark.parametrize("argv", list(combinations()), ids=lambda a: "-".join(x.partition("=")[2] for x in a))
-def test_every_component_exact(argv):
+def test_every_component_and_the_peak_traced_as_measured(argv):
     # the 'fp8' in an id lets conftest skip those where torch._scaled_mm cannot run on this CPU
-    cfg, rows, ok, meas = ledger(argv)
-    # measured == predicted, to the byte, the walk's peak too; and every saved tensor explained by a term
-    exact = all(rows[k][2] == rows[k][1] for k in ml.COMPONENTS + ("peak",))
-    assert exact and ok and not explain.report(cfg, meas), \
-        tool.failure(cfg, rows.values(), meas)
+    cfg, rows, ok, meas, _ = ledger(argv)
+    assert ok, tool.failure(cfg, rows.values())
+
+
+@pytest.mark.parametrize("shape", [dict(n_layer=1, n_embd=16, n_head=1, block_size=8, batch_size=1),
+                                   dict(n_layer=3, n_embd=96, n_head=3, block_size=48, batch_size=5),
+                                   dict(n_layer=4, n_embd=256, n_head=4, block_size=256, batch_size=8)])
+def test_traced_is_measured_at_three_shapes(shape):
+    """The issue's three shapes: the last is make train's default."""
+    cfg, rows, ok, meas, _ = ledger([f"--{k}={v}" for k, v in shape.items()] + ["--precision=bf16"])
+    assert ok, tool.failure(cfg, rows.values())
 
 
 def one_sequence():
@@ -65,44 +70,73 @@ def one_sequence():
 
 @pytest.mark.parametrize("argv", list(one_sequence()), ids=lambda a: "-".join(x.partition("=")[2] for x in a))
 def test_every_component_exact_for_one_sequence(argv):
-    cfg, rows, ok, meas = ledger(argv + ["--batch_size=1", "--block_size=32"])
-    exact = all(rows[k][2] == rows[k][1] for k in ml.COMPONENTS + ("peak",))
-    assert ok and exact, tool.failure(cfg, rows.values(), meas)
+    cfg, rows, ok, meas, _ = ledger(argv + ["--batch_size=1", "--block_size=32"])
+    assert ok, tool.failure(cfg, rows.values())
 
 
 @pytest.mark.parametrize("argv", [["--fp32_grad_accum", "--precision=bf16"], ["--ckpt=sqrt", "--ckpt_segment=1"],
                                   ["--ckpt=sqrt", "--n_layer=5"], ["--precision=fp16", "--loss_scale=1024"],
                                   ["--fp32_grad_accum", "--precision=fp8", "--fp8_grad=e5m2"],
                                   ["--precision=fp8", "--fp8_recipe=current", "--ckpt=sqrt"],
+                                  ["--ckpt=full", "--ckpt_impl=naive"], ["--ckpt=sqrt", "--ckpt_impl=naive"],
                                   # 24 tokens: HYBRID's weight gradient dequantizes (FP8 GEMMs want multiples of 16)
                                   ["--precision=fp8", "--fp8_grad=e5m2", "--batch_size=1", "--block_size=24"]])
 def test_variants_exact(argv):
-    cfg, rows, ok, meas = ledger(argv)
-    exact = all(rows[k][2] == rows[k][1] for k in ml.COMPONENTS + ("peak",))
-    assert ok and exact, tool.failure(cfg, rows.values(), meas)
+    cfg, rows, ok, meas, _ = ledger(argv)
+    assert ok, tool.failure(cfg, rows.values())
 
 
-def test_fp8_sdpa_keeps_c_proj_input_apart():
-    """Defect 1: with FP8Linear, c_proj saves its own E4M3 copy of its input, 1 byte per
-    element, so the sdpa output is no longer c_proj's saved input: both are terms."""
-    cfg, rows, _, meas = ledger(["--precision=fp8", "--attn=sdpa"])
-    terms = {t.name: t.nbytes for t in ml.block_activation_terms(cfg)}
-    bsh = cfg.batch_size * cfg.block_size * cfg.n_embd
-    assert terms["attn.c_proj input"] == bsh and terms["attn.sdpa output"] == 2 * bsh
-    assert rows["activations"][2] == rows["activations"][1], tool.failure(cfg, rows.values(), meas)
-
-
-def test_cpu_comparison_has_no_tolerance(monkeypatch):
-    """Defect 2: on CPU both sides count storages, so one byte off is a miss."""
-    cfg, _, ok, meas = ledger(["--precision=bf16"])
+def test_cpu_comparison_has_no_tolerance():
+    """On CPU both sides count storages: one byte off in any component, or in the peak, is a miss."""
+    cfg, _, ok, meas, traced = ledger(["--precision=bf16"])
     assert ok
-    real = ml.activation_terms
-    monkeypatch.setattr(ml, "activation_terms", lambda c: real(c) + [ml.Term("one byte too many", 1, "head", False)])
-    rows, ok = tool.compare(cfg, meas)
-    assert not ok and [r[0] for r in rows if not r[4]] == ["activations"]
+    for component in ("activations", "peak"):
+        rows, ok = tool.compare(cfg, dict(traced, **{component: traced[component] + 1}), meas)
+        assert not ok and [r[0] for r in rows if not r[3]] == [component]
+        assert f"{component}: traced" in tool.failure(cfg, rows)
 
 
-# ---------------------------------------------------------------- a change the description does not know yet
+# ---------------------------------------------------------------- every byte under a term of the formula
+
+def test_the_default_models_bytes_are_the_papers_terms():
+    """Korthikanti's per-layer terms hold to the byte for what they count (the Linears' inputs, q, k and v,
+    the softmax output, the GELU's input), the norms' 16-bit inputs are there with LayerNorm's statistics
+    beside them, the head keeps its input and FP32 log-softmax, and what no term has is wpe's positions."""
+    cfg = Config(device="cpu", n_layer=3, n_embd=64, n_head=2, block_size=32, batch_size=2, precision="bf16")
+    traced = trace.step(cfg)
+    terms, unmatched = ml.account(traced["saved_tensors"], traced["kinds"])
+    closed = ml.closed_terms(cfg)
+    got = {term: sum(s.nbytes for s in tensors) for term, tensors in terms.items()}
+    for term in ("linears", "qkv", "softmax", "activation", "masks", "units"):
+        assert got[term] == closed[term], f"{term}: traced {got[term]:,} bytes, the formula {closed[term]:,}"
+    b, s = cfg.batch_size, cfg.block_size
+    assert got["norms"] - closed["norms"] == (2 * cfg.n_layer + 1) * 2 * b * s * 2  # mean and rstd, bf16 on CPU
+    assert got["head"] - closed["head"] == 4  # NLL's total weight
+    found = [({node for node, *_ in s.inputs}, s.nbytes) for s in unmatched]
+    assert found == [({"EmbeddingBackward0"}, 8 * s)], f"not in the formulas: {found}, not wpe's positions alone"
+    differences = {term: lines for term, _, _, lines in ml.differences(cfg, terms, unmatched)}
+    assert any("result1" in line and line.startswith("not as the formula counts it") for line in differences["norms"])
+
+
+def test_terms_are_told_by_op_and_module_not_by_size():
+    """Under sdpa the fused kernel keeps q, k and v and its statistics: no s x s term; under selective the
+    core's unit keeps its inputs (q, k, v); under full recompute only the units' inputs; FP8's Linears keep
+    their inputs at one byte, named so."""
+    def got(**over):
+        cfg = Config(device="cpu", n_layer=2, n_embd=64, n_head=2, block_size=32, batch_size=2, **over)
+        traced = trace.step(cfg)
+        terms, _ = ml.account(traced["saved_tensors"], traced["kinds"])
+        return cfg, {term: sum(s.nbytes for s in tensors) for term, tensors in terms.items()}, terms
+    cfg, sdpa, _ = got(attn="sdpa")
+    assert sdpa["qkv"] == ml.closed_terms(cfg)["qkv"] and sdpa["softmax"] == 2 * (2 * 2 * 32 * 4)  # FP32 logsumexp
+    cfg, selective, _ = got(ckpt="selective")
+    assert selective["qkv"] == ml.closed_terms(cfg)["qkv"] and selective["softmax"] == 0
+    cfg, full, _ = got(ckpt="full")
+    assert full["units"] == 2 * 2 * 32 * 64 * 2 and full["linears"] == full["qkv"] == 0
+    cfg, fp8, terms = got(precision="fp8")
+    assert fp8["linears"] * 2 == ml.closed_terms(cfg)["linears"]
+    assert all(s.dtype == "float8_e4m3fn" for s in terms["linears"])
+
 
 class Gated(nn.Module):
     """A learner's change around whatever norm the block has: its output times its own sigmoid."""
@@ -117,10 +151,8 @@ class Gated(nn.Module):
 
 
 def swapped(monkeypatch, change):
-    """Change model.py's block at test time, as a learner would, and leave the description alone.
-    Each works on whatever block model.py has: "gate" wraps ln_1 (more saved), "no activation"
-    takes the MLP's activation out (less saved): its modules run in the order it makes them, nothing
-    between (whatever they are named)."""
+    """Change model.py's block at test time, as a learner would: "gate" wraps ln_1 (more saved), "no
+    activation" takes the MLP's activation out (less saved)."""
     if change == "gate":
         real = model.Block.__init__
 
@@ -134,91 +166,30 @@ def swapped(monkeypatch, change):
 
 
 @pytest.mark.parametrize("change", ["gate", "no activation"])
-def test_the_ledger_names_what_its_description_does_not_explain(monkeypatch, change):
-    """A block that saves more or fewer tensors than memory_ledger.block says: the activations
-    miss, and the report names each measured tensor no term accounts for (the module and autograd
-    node that saved it, dtype, shape, bytes) and each term nothing matched, accounting for the
-    whole difference; the tests' messages and `make ledger` say the same."""
+def test_a_change_to_model_py_is_exact_and_named(monkeypatch, change):
+    """model.py changed, nothing else: traced and measured agree to the byte, and the closed forms say
+    what the change keeps beyond or below them: the gate's sigmoid and product, or no GELU input."""
     swapped(monkeypatch, change)
-    cfg, rows, ok, meas = ledger(["--precision=bf16"])
-    assert not ok and not rows["activations"][4]
-    lines = explain.report(cfg, meas)
-    said = "\n".join(lines)
-    b, s, h, L = cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.n_layer
-    bsh = f"bfloat16 ({b}, {s}, {h}), {2 * b * s * h:,} bytes (x{L})"
-    if change == "gate":  # the sigmoid's output and the norm's output (now the product's operand): two more
-        assert f"  unexplained, saved by h.*.ln_1 (MulBackward0, SigmoidBackward0): {bsh}" in lines, said
-        assert f"  unexplained, saved by h.*.ln_1 (MulBackward0): {bsh}" in lines, said
-        assert not any("described but not saved" in line for line in lines), said
-    else:  # one term of each block's MLP is saved no more
-        assert any(line.startswith("  described but not saved: mlp.") and "(in each block)" in line
-                   for line in lines), said
-    extra, missing, _ = explain.unexplained(cfg, meas["saved_tensors"])
-    assert sum(s.nbytes for s in extra) - sum(t.nbytes for _, t in missing) == \
-        rows["activations"][2] - rows["activations"][1]  # the report accounts for the whole difference
-    words = tool.failure(cfg, rows.values(), meas)
-    assert f"activations: predicted {rows['activations'][1]:,} bytes, measured {rows['activations'][2]:,}" in words
-    assert said in words
-    assert said in tool.format_comparison(cfg, list(rows.values()), meas)  # `make ledger` prints it too
-
-
-def test_every_component_that_differs_is_named(monkeypatch):
-    """Recompute units the description's plan does not have (its plan says none; the model runs ckpt=full):
-    the RNG states they keep are named with their count, and the unit inputs the units keep are saved."""
-    real = ml.plan
-    monkeypatch.setattr(ml, "plan", lambda cfg: real(replace(cfg, ckpt="none")))
-    cfg, rows, ok, meas = ledger(["--precision=bf16", "--ckpt=full"])
-    per_state = torch.get_rng_state().numel()
-    lines = explain.report(cfg, meas)
-    assert not ok and f"  rng_states: predicted 0 bytes, measured {cfg.n_layer * per_state:,}: the step's graph " \
-        f"holds {cfg.n_layer} RNG states of {per_state:,} bytes (checkpoint.Unit.rng: one per recompute unit); the " \
-        f"description's plan (memory_ledger.plan) 0" in lines, "\n".join(lines)
-    assert any(line.startswith("  unexplained, saved by GPT.forward (RerunNodeBackward)") for line in lines), lines
-
-
-def test_a_description_that_follows_the_change_is_exact_again(monkeypatch):
-    """The loop the report is for: change model.Block (its ln_1 gated by its own sigmoid), change the
-    description beside it (the same two ops after the norm: the sigmoid saves its output, the
-    product both operands), and the ledger is exact again, every component and the peak."""
-    swapped(monkeypatch, "gate")
-
-    def gated(norm):
-        def run(g, name, x):
-            y = norm(g, name if name != "ln_1" else "ln_1.inner", x)
-            if name != "ln_1":
-                return y
-            return g.mul("ln_1.gate", y, g.pointwise("ln_1.sigmoid", y, saves="output"))
-        return run
-    for norm in ("layer_norm", "rms_norm"):  # whichever model.py's block uses
-        monkeypatch.setattr(Ops, norm, gated(getattr(Ops, norm)))
-    ml._census.cache_clear()
-    try:
-        for argv in (["--precision=bf16"], ["--precision=fp32", "--ckpt=full", "--dropout=0.1"]):
-            cfg, rows, ok, meas = ledger(argv)
-            assert ok and rows["peak"][1] == rows["peak"][2], tool.failure(cfg, rows.values(), meas)
-            assert not explain.report(cfg, meas)
-    finally:
-        ml._census.cache_clear()
+    cfg, rows, ok, meas, traced = ledger(["--precision=bf16"])
+    assert ok, tool.failure(cfg, rows.values())
+    terms, unmatched = ml.account(traced["saved_tensors"], traced["kinds"])
+    said = {term: lines for term, _, _, lines in ml.differences(cfg, terms, unmatched)}
+    if change == "gate":
+        assert any("h.*.ln_1 " in line and "SigmoidBackward0" in line for line in said["activation"]), said
+    else:
+        assert "activation" in said and said["activation"][0].startswith("as the formula counts them, 0 bytes"), said
 
 
 @pytest.mark.parametrize("argv", [["--precision=fp8"], ["--precision=fp8", "--fp8_grad=e5m2", "--ckpt=full"],
                                   ["--precision=bf16", "--ckpt=sqrt"], ["--precision=fp32", "--attn=sdpa"]])
 def test_activations_are_saved_bytes_and_the_forward_leaves_nothing_else(argv):
-    """Issue 17, defects 1 and 3: the activations are the storages saved for backward (SavedBytes,
-    which reads storages on any device), less the FP8 weight copies the forward kept: those are
-    fp8_kept's, counted once. What the forward leaves alive is exactly those activations, the kept
-    copies and the loss (and the loss times its weight, made before the
-    scaler's backward, where the reading is): LiveTensors' growth over the forward (exact on CPU) is their sum, which is
-    what CUDA's allocator figure is bounded by (measure.allocator_bounds)."""
-    cfg, rows, ok, meas = ledger(argv)
-    assert ok, tool.failure(cfg, rows.values(), meas)
-    # what the forward kept: the E4M3 copies (HYBRID's column-major twins come in backward)
-    kept_at_forward = ml.fp8_weight_copies(replace(cfg, fp8_grad="bf16"))["kept"]
-    assert meas["forward_growth"] == sum(meas["forward_storages"]) == \
-        meas["activations"] + kept_at_forward + 4 + 4, \
-        f"the forward grew the live bytes by {meas['forward_growth']:,}; activations {meas['activations']:,} + " \
-        f"kept FP8 copies {kept_at_forward:,} + the 4-byte loss and the 4-byte loss x weight = " \
-        f"{meas['activations'] + kept_at_forward + 8:,}"
+    """The activations are the storages saved for backward (SavedBytes), less the FP8 weight copies the
+    forward kept: those are fp8_kept's, counted once. What the forward leaves alive is exactly those, the
+    kept copies and the loss (and the loss times its weight): LiveTensors' growth over the forward."""
+    cfg, rows, ok, meas, _ = ledger(argv)
+    assert ok, tool.failure(cfg, rows.values())
+    kept = ledger([a for a in argv if "e5m2" not in a])[3]["fp8_kept"]  # HYBRID's twins come in backward
+    assert meas["forward_growth"] == sum(meas["forward_storages"]) == meas["activations"] + kept + 4 + 4
 
 
 def test_allocator_bounds_follow_the_caching_allocators_rules():
@@ -233,28 +204,13 @@ def test_allocator_bounds_follow_the_caching_allocators_rules():
 
 
 def test_batch_of_one_row_has_two_storages():
-    """Defect 3: for b = 1, x and y must not be views of one (s+1)-token storage."""
+    """For b = 1, x and y must not be views of one (s+1)-token storage."""
     cfg = parse_args(merged(*TINY, "--batch_size=1"))
     x, y = measure.random_batch(cfg, "cpu")
     assert measure.storage_key(x) != measure.storage_key(y)
-    cfg, rows, ok, meas = ledger(["--batch_size=1"])
+    cfg, rows, ok, meas, _ = ledger(["--batch_size=1"])
     assert rows["inputs"][2] == rows["inputs"][1] == 2 * cfg.block_size * 8
-    assert ok, tool.failure(cfg, rows.values(), meas)
-
-
-def test_activation_terms_are_what_autograd_saves():
-    # the measured number comes from saved_tensors_hooks; removing one term must break the match
-    sh, rows, _, meas = ledger(["--precision=bf16"])
-    terms = ml.block_activation_terms(sh)
-    softmax = {t.name: t.nbytes for t in terms}["attn.softmax output"]
-    assert softmax == sh.n_head * sh.block_size * sh.block_size * sh.batch_size * 2
-    assert meas["activations"] - softmax * sh.n_layer != ml.activation_bytes(sh)
-    assert meas["activations"] == ml.activation_bytes(sh)
-    # masked_fill saves a view of the future_mask buffer: state (buffers), not an activation
-    assert not any("mask" in t.name and "dropout" not in t.name for t in terms)
-    # model.py's, on the meta device, in the run's dtype (as train.build casts them): the causal masks
-    buffers = sum(b.nbytes for b in meta_model(sh).to(dtype=precision.recipe(sh).param_dtype).buffers())
-    assert meas["buffers"] == rows["buffers"][1] == buffers
+    assert ok, tool.failure(cfg, rows.values())
 
 
 def test_saved_views_of_buffers_and_the_batch_are_not_activations():
@@ -270,39 +226,19 @@ def test_saved_views_of_buffers_and_the_batch_are_not_activations():
         counts.append(saved.total)
     # every buffer's storage is saved (masked_fill keeps a view of each block's causal mask)
     assert counts[0] - counts[1] == sum(b.untyped_storage().nbytes() for b in gpt.buffers())
-    assert counts[1] - counts[2] == ml.input_bytes(cfg)  # the embedding saves x, the loss y
-
-
-def test_a_name_that_holds_two_storages_of_a_block_is_counted_twice(monkeypatch):
-    """A block may save two storages under one name (a learner's op named like another): activation_terms
-    adds both, in every kind of block (plain and core-recomputed), and says so in the term's name."""
-    cfg = Config(n_layer=3, n_embd=32, n_head=2, block_size=16, batch_size=2, ckpt="selective")
-    twice = [ml.Term("mlp.twice", 100, 0, False), ml.Term("mlp.twice", 60, 0, False)]
-    monkeypatch.setattr(ml, "block_activation_terms", lambda c, paths=(): twice)
-    monkeypatch.setattr(ml, "plan", lambda c: step.Plan(3, [], frozenset({(0, "attn.core")})))  # one core unit
-    terms = [t for t in ml.activation_terms(cfg) if t.scope == "blocks"]
-    assert [(t.name, t.nbytes) for t in terms] == [("mlp.twice (x6 in 3 blocks)", 3 * 160)], terms
-
-
-def test_recompute_keeps_only_unit_inputs():
-    _, _, _, m_none = ledger(["--precision=fp32", "--n_layer=4"])
-    sh_full, _, _, m_full = ledger(["--precision=fp32", "--n_layer=4", "--ckpt=full"])
-    head = sum(t.nbytes for t in ml.outside_terms(sh_full))
-    assert m_full["activations"] - head == 4 * sh_full.batch_size * sh_full.block_size * sh_full.n_embd * 4  # L inputs
-    assert m_full["activations"] < m_none["activations"]
+    assert counts[1] - counts[2] == 2 * cfg.batch_size * cfg.block_size * 8  # the embedding saves x, the loss y
 
 
 @pytest.mark.parametrize("ckpt,n_units", [("none", 0), ("full", 3), ("sqrt", 2), ("selective", 3)])
 def test_recompute_rng_states_are_counted(ckpt, n_units):
-    """Defect 8: each recompute unit keeps the CPU generator's state (host memory)."""
-    cfg, rows, _, _ = ledger([f"--ckpt={ckpt}", "--n_layer=3"])
-    assert len(ml.plan(cfg).units) == n_units or ckpt == "selective"
+    """Each recompute unit keeps the CPU generator's state (host memory)."""
+    cfg, rows, _, _, _ = ledger([f"--ckpt={ckpt}", "--n_layer=3"])
     assert rows["rng_states"][2] == rows["rng_states"][1] == n_units * torch.get_rng_state().numel()
 
 
 def test_sixteen_bytes_per_param_for_mixed_precision_adam():
-    # ZeRO (Rajbhandari et al. 2020), sec. 3.1: 2 + 2 + (4 + 4 + 4) = 16 bytes per parameter
-    per_param = lambda prec: papers.bytes_per_param(Config(precision=prec))
+    # ZeRO (Rajbhandari et al. 2020), sec. 3.1: 2 + 2 + (4 + 4 + 4) = 16 bytes per parameter, traced
+    per_param = lambda prec: papers.bytes_per_param(Config(precision=prec))  # noqa: E731
     assert per_param("bf16") == (2, 2, 4, 8)
     assert sum(per_param("fp16")) == 16
     assert per_param("fp32") == (4, 4, 0, 8)
@@ -310,37 +246,30 @@ def test_sixteen_bytes_per_param_for_mixed_precision_adam():
 
 
 def linear_weights(cfg):
-    """(elements of every Linear weight, how many Linears, the largest) of model.GPT, built on the meta device."""
+    """(elements of every Linear weight, how many Linears) of model.GPT, built on the meta device."""
     with torch.device("meta"):
         gpt = model.GPT(cfg)
     sizes = [m.weight.numel() for m in gpt.modules() if isinstance(m, nn.Linear)]
-    return sum(sizes), len(sizes), max(sizes)
+    return sum(sizes), len(sizes)
 
 
-def test_fp8_weight_copies():
-    # native FP8Linear keeps each E4M3 weight (with its 8-byte scale and amax storages) for one step, not as
-    # state; HYBRID adds a column-major twin; TE caches E4M3 W and W^T per Linear, persistent like a parameter
-    sh = Config(n_layer=3, n_embd=64, n_head=4, block_size=32, batch_size=2, precision="fp8")
-    weights, n, largest = linear_weights(sh)
-    assert ml.fp8_weight_copies(sh) == dict(persistent=0, kept=weights + 16 * n, transient=4 * largest)
-    assert ml.fp8_weight_copies(replace(sh, fp8_grad="e5m2"))["kept"] == 2 * weights + 16 * n
-    assert ml.components(sh)["fp8_kept"] == ml.state_bytes(sh)["fp8_kept"] == weights + 16 * n
-    assert ml.components(sh)["parameters"] == ml.state_bytes(sh)["parameters"]  # not a parameter: freed before AdamW
-    te = replace(sh, fp8_backend="te")
-    assert ml.fp8_weight_copies(te) == dict(persistent=2 * weights, kept=0, transient=0)
-    assert ml.components(te)["parameters"] == ml.state_bytes(sh)["parameters"] + 2 * weights
-    assert ml.components(te)["buffers"] == ml.state_bytes(te)["buffers"]  # a line of their own
-    assert ml.fp8_weight_copies(replace(sh, precision="bf16")) == dict(persistent=0, kept=0, transient=0)
+@pytest.mark.parametrize("grad", ["bf16", "e5m2"])
+def test_fp8_weight_copies(grad):
+    """Native FP8Linear keeps each E4M3 weight (with its 8-byte scale and amax storages) for one step, not
+    as state; HYBRID adds a column-major twin in backward."""
+    cfg, rows, ok, meas, _ = ledger(["--n_embd=64", "--n_head=4", "--block_size=32", "--precision=fp8",
+                                     f"--fp8_grad={grad}"])
+    weights, n = linear_weights(cfg)
+    assert meas["fp8_kept"] == (2 if grad == "e5m2" else 1) * weights + 16 * n and ok
 
 
 @pytest.mark.parametrize("argv", [["--precision=fp8"], ["--precision=fp8", "--fp8_grad=e5m2", "--ckpt=full"],
                                   ["--precision=fp8", "--fp32_grad_accum"]])
 def test_fp8_copies_are_kept_across_micro_steps(argv):
-    """K = 2 (the walk and ledger/measure.py take one micro-batch): micro-step 2 starts with what
-    micro-step 1 started with, plus micro-step 1's .grad (not where FP32 sums took them), the FP8
-    copies it kept, state_bytes' fp8_kept (e5m2: the twins its backward made too), and two 4-byte
+    """K = 2: micro-step 2 starts with what micro-step 1 started with, plus micro-step 1's .grad (not where
+    FP32 sums took them), the FP8 copies it kept (e5m2: the twins its backward made too), and two 4-byte
     scalars (micro-step 1's loss, the running total); after the optimizer step nothing is left."""
-    cfg = replace(parse_args(merged(*TINY, *argv)), device="cpu")
+    cfg, _, _, meas, traced = ledger(argv)
     gpt, parts = train.build(cfg, torch.device("cpu"))
     batches = [measure.random_batch(replace(cfg, seed=seed), "cpu") for seed in (3, 4)]
     accumulate.accumulation_step(gpt, parts, batches)  # AdamW's states appear
@@ -352,8 +281,8 @@ def test_fp8_copies_are_kept_across_micro_steps(argv):
         with measure.phases(gpt, parts, lambda phase, *_: forwards.append(tracker.read()) if phase == "forward" else 0):
             accumulate.accumulation_step(gpt, parts, batches)
         end = tracker.read()
-    grads = 0 if cfg.fp32_grad_accum else ml.state_bytes(cfg)["gradients"]
-    assert forwards[0] == start and forwards[1] - forwards[0] == grads + ml.state_bytes(cfg)["fp8_kept"] + 2 * 4
+    grads = 0 if cfg.fp32_grad_accum else meas["gradients"]
+    assert forwards[0] == start and forwards[1] - forwards[0] == grads + meas["fp8_kept"] + 2 * 4
     assert end == start and all(m.weight_copy is None for m in parts.fp8_layers)
 
 
@@ -369,12 +298,11 @@ def memtracker():
 @pytest.mark.parametrize("argv", [["--precision=fp32"], ["--precision=bf16", "--ckpt=full"],
                                   ["--precision=bf16", "--ckpt=selective", "--dropout=0.1"], ["--precision=fp8"]])
 def test_memtracker_agrees(argv):
-    """PyTorch's own MemTracker, an independent counter: the states, buffers, gradients and the
-    batch to the byte; the activations as its Pre-Backward reading of the model, which also
-    holds three 4-byte scalars (the loss, the loss times its weight, backward's seed) and, for
-    fp8, the weight copies the forward kept (fp8_kept: each storage counted once, the scales
-    every FP8 Linear saves for backward and keeps with its copy included: issue 17); the peak
-    within 8 bytes (the optimizer step's 4-byte scalars are read at other moments)."""
+    """PyTorch's own MemTracker, an independent counter of a real step, against the trace: the states,
+    buffers, gradients and the batch to the byte; the activations as its Pre-Backward reading of the model,
+    which also holds three 4-byte scalars (the loss, the loss times its weight, backward's seed) and, for
+    fp8, the weight copies the forward kept; the peak within 8 bytes (the optimizer step's 4-byte scalars
+    are read at other moments), the FP32 master copy, which MemTracker does not see, aside."""
     cfg = replace(parse_args(merged(*TINY, *argv)), device="cpu")
     gpt, parts = train.build(cfg, torch.device("cpu"))
     batch = measure.random_batch(cfg, "cpu")
@@ -388,27 +316,21 @@ def test_memtracker_agrees(argv):
     peak = {str(k).rsplit(".", 1)[-1]: v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
     pre_backward = tracker.memory_tracking[gpt].snapshots["Pre-Backward"][-1][torch.device("cpu")]
     acts = {str(k).rsplit(".", 1)[-1]: v for k, v in pre_backward.items()}["ACT"]
-    pred = ml.predicted(cfg)
-    assert (peak["PARAM"], peak["BUFFER"], peak["GRAD"]) == (pred["parameters"], pred["buffers"], pred["gradients"])
-    assert acts == pred["activations"] + pred["fp8_kept"] + 3 * 4, \
-        f"MemTracker's activations {acts:,} bytes, the ledger's {pred['activations']:,} + fp8 kept " \
-        f"{pred['fp8_kept']:,} + 12 (three 4-byte scalars)"
-    master = pred["master"]  # MemTracker does not know the FP32 master copy: it counts the rest of the step
-    assert abs(peak["Total"] + master - ml.peak_estimate(cfg)[0]) <= 8
+    traced = trace.step(cfg)
+    assert (peak["PARAM"], peak["BUFFER"], peak["GRAD"]) == (traced["parameters"], traced["buffers"],
+                                                             traced["gradients"])
+    assert acts == traced["activations"] + traced["fp8_kept"] + 3 * 4, \
+        f"MemTracker's activations {acts:,} bytes, the trace's {traced['activations']:,} + fp8 kept " \
+        f"{traced['fp8_kept']:,} + 12 (three 4-byte scalars)"
+    assert abs(peak["Total"] + traced["master"] - traced["peak"]) <= 8
 
 
-def test_param_count_matches_meta_model():
-    from ledger.parallel import meta_param_count
-    for L, h, a, s, V in [(2, 32, 2, 16, 256), (48, 1600, 25, 1024, 50257)]:
+def test_param_count_is_model_pys():
+    for L, h, a, s, V in [(2, 32, 2, 16, 256), (3, 48, 3, 32, 300)]:
         for bias in (True, False):
-            cfg = Config(n_layer=L, n_embd=h, n_head=a, block_size=s, vocab_size=V, bias=bias)
-            assert ml.param_count(cfg)[0] == meta_param_count(cfg)
-
-
-def test_recompute_rng_state_is_what_checkpoint_keeps():
-    # the formula's per-unit size is the state checkpoint.Unit stores, read from torch
-    assert sum(t.numel() for t in checkpoint.rng_state(torch.device("cpu")).values()) == \
-        ml.rng_state_bytes(Config(n_layer=1, ckpt="full"))
+            cfg = Config(n_layer=L, n_embd=h, n_head=a, block_size=s, vocab_size=V, bias=bias, device="cpu")
+            with torch.device("meta"):
+                assert trace.step(cfg)["params"][0] == sum(p.numel() for p in model.GPT(cfg).parameters())
 
 
 def test_train_time_ledger_line_runs_nothing(tmp_path):
@@ -417,25 +339,24 @@ def test_train_time_ledger_line_runs_nothing(tmp_path):
     flags = TINY + ["--precision=bf16", "--dropout=0.1", "--max_iters=3", "--sample_tokens=0", "--log_interval=100",
                     "--eval_interval=100"]
     forwards, lines, histories, params = [], [], [], []
-    real_forward = train.GPT.forward
-    for ledger in ("true", "false"):
-        cfg = parse_args(flags + [f"--ledger={ledger}", f"--out_dir={tmp_path / ledger}"])
+    real_forward = model.GPT.forward
+    for ledger_flag in ("true", "false"):
+        cfg = parse_args(flags + [f"--ledger={ledger_flag}", f"--out_dir={tmp_path / ledger_flag}"])
         forwards.append(0)
 
-        def counting(self, *a, **kw):
-            forwards[-1] += 1
-            return real_forward(self, *a, **kw)
-        train.GPT.forward = counting
+        def counting(self, idx, *a, **kw):
+            forwards[-1] += not is_fake(idx)  # flops.per_token counts FLOPs on fake tensors: no memory, no time
+            return real_forward(self, idx, *a, **kw)
+        model.GPT.forward = counting
         try:
             histories.append(train.train(cfg, log=lines.append))
         finally:
-            train.GPT.forward = real_forward
-        params.append(torch.load(tmp_path / ledger / "snapshot.pt", weights_only=True)["model"])
+            model.GPT.forward = real_forward
+        params.append(torch.load(tmp_path / ledger_flag / "snapshot.pt", weights_only=True)["model"])
     assert forwards[0] == forwards[1] == 3
     assert [h["loss"] for h in histories[0]] == [h["loss"] for h in histories[1]]
     assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
     assert sum("make ledger" in line for line in lines) == 1  # CPU: the pointer, once, only with --ledger=true
-
 
 
 # ---------------------------------------------------------------- CUDA (make gpu-check)
@@ -443,17 +364,15 @@ def test_train_time_ledger_line_runs_nothing(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.parametrize("ckpt", ["none", "full", "sqrt", "selective"])
 @pytest.mark.parametrize("prec", ["fp32", "bf16", "fp16", "fp8"])
-def test_cuda_allocator_matches_formulas(prec, ckpt):
+def test_cuda_traced_as_measured(prec, ckpt):
     if prec == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip(f"native FP8 (torch._scaled_mm) needs sm89+, this GPU is sm"
                     f"{''.join(map(str, torch.cuda.get_device_capability()))}")
-    cfg = parse_args(["--n_layer=4", "--n_embd=256", "--n_head=4", "--block_size=256", "--batch_size=8",
-                      f"--precision={prec}", f"--ckpt={ckpt}", "--device=cuda"])
-    meas = tool.run_config(cfg, torch.device("cuda"))
-    rows, ok = tool.compare(cfg, meas)
+    cfg, rows, ok, meas, traced = ledger(["--n_layer=4", "--n_embd=256", "--n_head=4", "--block_size=256",
+                                          "--batch_size=8", f"--precision={prec}", f"--ckpt={ckpt}"], "cuda")
     # every component is storage sizes (the activations: saved_tensors_hooks), exact on CUDA too
-    assert ok, tool.failure(cfg, rows, meas)
-    # only the allocator's own figure has a slack, the one its block sizes allow
+    assert ok, tool.failure(cfg, rows.values())
+    # only the allocator's own figures have a slack, the one its block sizes allow
     low, high = measure.allocator_bounds(meas["forward_storages"])
     assert low <= meas["forward_growth"] <= high, \
         f"the CUDA allocator grew by {meas['forward_growth']:,} bytes over the forward; the storages it left " \
@@ -461,12 +380,30 @@ def test_cuda_allocator_matches_formulas(prec, ckpt):
 
 
 @pytest.mark.cuda
-def test_cuda_fp32_grad_accum_gradients_are_exact():
-    # the allocator barely grows in backward here (the FP32 buffers exist already): storage sizes count
-    cfg = parse_args(["--n_layer=2", "--n_embd=128", "--n_head=4", "--block_size=128", "--batch_size=4",
-                      "--precision=bf16", "--fp32_grad_accum", "--device=cuda"])
-    meas = tool.run_config(cfg, torch.device("cuda"))
-    assert meas["gradients"] == ml.predicted(cfg)["gradients"] == 6 * ml.param_count(cfg)[0]
+@pytest.mark.parametrize("argv", [["--precision=bf16", "--dropout=0.1"], ["--precision=fp32", "--attn=sdpa",
+                                                                             "--dropout=0.1"],
+                                  ["--precision=bf16", "--attn=sdpa", "--ckpt=full"], ["--precision=fp8"]])
+def test_cuda_rules_are_this_gpus_kernels(argv):
+    """ledger/trace.CUDA's rules (what a CPU-only machine traces for a GPU) against this GPU's own kernels,
+    traced on fake CUDA tensors: the same activations and peak."""
+    cfg = replace(parse_args(merged(*TINY, "--n_embd=64", *argv)), device="cuda")
+    real = trace.step(cfg)
+    with trace.rules_forced():
+        ruled = trace.step(cfg)
+    assert (ruled["activations"], ruled["peak"]) == (real["activations"], real["peak"]), \
+        f"{' '.join(argv)}: the rules trace {ruled['activations']:,} bytes of activations and a peak of " \
+        f"{ruled['peak']:,}; this GPU's kernels {real['activations']:,} and {real['peak']:,}"
+
+
+@pytest.mark.cuda
+def test_cuda_train_time_ledger_line_keeps_peak_stats(tmp_path):
+    cfg = parse_args(TINY + ["--precision=bf16", "--device=cuda", "--max_iters=2", "--sample_tokens=0",
+                             f"--out_dir={tmp_path}"])
+    lines = []
+    train.train(cfg, log=lines.append)
+    line = next(line for line in lines if line.startswith("memory after step 1"))
+    assert "vs allocated" in line and "vs max allocated" in line
+    assert "cuBLAS workspaces" in line and "main thread" in line and "autograd thread" in line, line
 
 
 def saved_by(fn, *args):
@@ -482,27 +419,17 @@ def saved_by(fn, *args):
 
 
 @pytest.mark.cuda
-def test_cuda_layernorm_saves_fp32_statistics():
-    # memory_ledger._stat_bytes: layer_norm_cuda keeps mean and rstd in the accumulate type
+def test_cuda_layernorm_and_dropout_rules():
+    """Two of ledger/trace.CUDA's rules, on this GPU's own kernels: layer_norm_cuda keeps mean and rstd in
+    FP32 for BF16 inputs; native_dropout keeps a bool mask."""
     x = torch.randn(2, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ln = torch.nn.LayerNorm(64).to("cuda", torch.bfloat16)
-    stats = [d for d, shape in saved_by(ln, x) if shape[:2] == (2, 8) and shape[-1] == 1]
-    assert stats == [torch.float32, torch.float32]
-    assert ml.sizes(Config(device="cuda")).stat_bytes == 4
+    assert [d for d, shape in saved_by(ln, x) if shape[:2] == (2, 8) and shape[-1] == 1] == [torch.float32] * 2
+    assert [d for d, _ in saved_by(torch.nn.functional.dropout, x, 0.1, True)] == [torch.bool]
 
 
-@pytest.mark.cuda
-def test_cuda_dropout_saves_a_one_byte_mask():
-    # memory_ledger._mask_bytes: native_dropout on CUDA saves a bool mask
-    x = torch.randn(1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    masks = [d for d, _ in saved_by(torch.nn.functional.dropout, x, 0.1, True)]
-    assert masks == [torch.bool]
-    assert ml.sizes(Config(device="cuda", precision="bf16")).mask_bytes == 1
-
-
-def sdpa_statistics_bytes(dtype, backend=None, b=2, a=4, s=40, d=32):
-    """Bytes of the FP32 storages sdpa saves beside q, k, v and its output (its softmax statistics),
-    under `backend` (torch.nn.attention.SDPBackend, pinned with sdpa_kernel) or torch's own choice."""
+def sdpa_statistics(dtype, backend=None, b=2, a=4, s=40, d=32):
+    """Bytes of the FP32 storages sdpa saves beside q, k, v and its output (its softmax statistics)."""
     from torch.nn.attention import sdpa_kernel
     q, k, v = (torch.randn(b, a, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     found = {}
@@ -518,33 +445,8 @@ def sdpa_statistics_bytes(dtype, backend=None, b=2, a=4, s=40, d=32):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype,kernel", [(torch.float32, "EFFICIENT_ATTENTION"), (torch.bfloat16, "FLASH_ATTENTION"),
-                                          (torch.bfloat16, "CUDNN_ATTENTION"), (torch.bfloat16, None)])
-def test_cuda_sdpa_logsumexp_bytes(dtype, kernel):
-    """memory_ledger's sdpa statistics (ops.Sizes.lse_rows), pinned per kernel and compared by bytes, not
-    shapes: the memory-efficient kernel (FP32's) pads its logsumexp to 32*ceil(s/32) rows, flash keeps
-    (b, a, s), cuDNN (torch 2.10+ prefers it on sm90 with a recent cuDNN) its (b, a, s, 1) statistics:
-    the same bytes. None: whichever kernel this torch picks, as the model's F.scaled_dot_product_attention."""
-    from torch.nn.attention import SDPBackend
-    backend = getattr(SDPBackend, kernel, None) if kernel else None
-    if kernel and backend is None:
-        pytest.skip(f"torch {torch.__version__} has no SDPBackend.{kernel}")
-    try:
-        got = sdpa_statistics_bytes(dtype, backend)
-    except RuntimeError as e:  # sdpa_kernel: "No available kernel" where this GPU or build lacks it
-        pytest.skip(f"{kernel} does not run here: {str(e).splitlines()[0][:120]}")
-    cfg = Config(device="cuda", block_size=40, precision="fp32" if dtype == torch.float32 else "bf16")
-    rows = ml.sizes(cfg).lse_rows
-    assert got == 2 * 4 * rows * 4, f"{kernel or 'the default kernel'} keeps {got:,} bytes of FP32 statistics; " \
-                                    f"the ledger predicts {2 * 4 * rows * 4:,} ({rows} rows of b=2 x a=4 x 4 bytes)"
-
-
-@pytest.mark.cuda
-def test_cuda_train_time_ledger_line_keeps_peak_stats(tmp_path):
-    cfg = parse_args(TINY + ["--precision=bf16", "--device=cuda", "--max_iters=2", "--sample_tokens=0",
-                             f"--out_dir={tmp_path}"])
-    lines = []
-    train.train(cfg, log=lines.append)
-    line = next(line for line in lines if line.startswith("memory after step 1"))
-    assert "vs allocated" in line and "vs max allocated" in line
-    assert "cuBLAS workspaces" in line and "main thread" in line and "autograd thread" in line, line
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 64), (torch.bfloat16, 40)])
+def test_cuda_sdpa_logsumexp_bytes(dtype, rows):
+    """The rule's kernels: the memory-efficient one (FP32's) pads its logsumexp to 32*ceil(s/32) rows,
+    flash keeps (b, a, s)."""
+    assert sdpa_statistics(dtype) == 2 * 4 * rows * 4

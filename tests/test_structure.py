@@ -15,7 +15,7 @@ from conftest import ROOT
 from model import default_linear
 
 # the root holds the files a learner reads to learn the chapter, and nothing else
-ROOT_FILES = {"config", "data", "model", "precision", "fp8", "accumulate", "checkpoint", "memory_ledger", "snapshot",
+ROOT_FILES = {"config", "data", "model", "precision", "fp8", "accumulate", "checkpoint", "memory_ledger", "snapshot", "build",
               "flops", "zero", "fsdp", "train"}
 CHAPTER = sorted(ROOT_FILES - {"config", "train"})
 MACHINERY = ("ledger", "backends", "guards")  # what the chapter stands on, each a folder: not read to learn it

@@ -200,16 +200,23 @@ def test_dtype_table_comes_from_finfo():
     assert rows["BF16"]["max"] > 1e38 and rows["FP16"]["max"] == 65504  # bf16 keeps fp32's range
 
 
-def test_model_flops_formula_equals_counted_flops():
-    # MFU's numerator: 6 x matmul weights + 12 L h s per token, counted by PyTorch for one
-    # step of the manual attention (whose matmuls are ordinary ops the counter sees)
+def test_model_flops_are_counted_from_the_model_and_equal_the_chapters_formula():
+    # MFU's numerator, flops.per_token (model.py on fake tensors), against PyTorch's FlopCounterMode on one real
+    # step of the manual attention (whose matmuls are ordinary ops the counter sees), and against the
+    # chapter's 6N + 12Lhs per token (N the matmul weights, the tied head's too)
     from torch.utils.flop_counter import FlopCounterMode
+    import flops
     from model import GPT
-    model = GPT(Config(block_size=64, n_layer=2, n_head=2, n_embd=64, attn="manual"))
+    cfg = Config(block_size=64, n_layer=2, n_head=2, n_embd=64, attn="manual")
+    model = GPT(cfg)
     x = torch.randint(0, 256, (2, 64))
     with FlopCounterMode(display=False) as counter:
         model(x, x)[1].backward()
-    assert counter.get_total_flops() == model.flops_per_token() * x.numel()
+    per_token = flops.per_token(cfg)[0]
+    assert counter.get_total_flops() == per_token * x.numel(), \
+        f"FlopCounterMode counts {counter.get_total_flops() / x.numel():,.0f} FLOPs a token, flops.per_token {per_token:,.0f}"
+    L, h, s, V = cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.vocab_size
+    assert per_token == 6 * (12 * L * h * h + V * h) + 12 * L * h * s, f"{per_token:,.0f} FLOPs a token, not 6N + 12Lhs"
 
 
 def test_residual_projections_are_scaled_by_their_mark_not_their_name(monkeypatch):

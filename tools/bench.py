@@ -37,14 +37,14 @@ import accumulate  # noqa: E402
 import checkpoint  # noqa: E402
 import flops  # noqa: E402
 from backends import fp8_gemm, fp8_te  # noqa: E402
-import memory_ledger  # noqa: E402
-from ledger import measure  # noqa: E402
+from ledger import measure, trace  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
 from guards import cli  # noqa: E402
 from config import UsageError, key, validate  # noqa: E402
 from guards.cli import given  # noqa: E402
 from data import Batches, load_tokens, split_tokens  # noqa: E402
+from guards.preflight import check_fits  # noqa: E402
 from guards.files import check_writable, write_atomically  # noqa: E402
 
 SECTIONS = ("precision", "ckpt", "compile", "memory", "ddp", "fp8wide", "fast")
@@ -112,20 +112,20 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
     if autocast_reference:
         recipe = precision.recipe(replace(cfg, precision="bf16"))
     peak = flops.peak_flops(cfg, recipe, device)
-    extra = checkpoint.recompute_flops_per_token(model, checkpoint.policy(cfg), stop_early=checkpoint.rerun_stops_early(cfg, recipe))
+    model_flops, extra = flops.per_token(cfg, checkpoint.rerun_stops_early(cfg, recipe))
     if device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(device)
     else:
         peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    # what autograd keeps for backward after the forward, from the ledger's formula (which its
-    # tests hold to the measured saved-tensor bytes): the activation memory a policy saves
+    # what autograd keeps for backward after the forward, the ledger's trace (its tests hold it to the
+    # measured saved-tensor bytes): the activation memory a policy saves
     activations = None if autocast_reference else \
-        memory_ledger.activation_bytes(replace(cfg, device=device.type))  # autocast: not modelled
+        trace.step(replace(cfg, device=device.type))["activations"]  # autocast: not traced
     return dict(precision="autocast-bf16" if autocast_reference else recipe.name, ckpt=cfg.ckpt,
                 tokens_per_s=tokens_per_s, ms_per_step=1000 * dt, peak_flops=peak,
                 peak_flops_source=peak_source(cfg, recipe, device, peak),
-                mfu=flops.utilization(tokens_per_s, model.flops_per_token(), peak),
-                hfu=flops.utilization(tokens_per_s, model.flops_per_token() + extra, peak),
+                mfu=flops.utilization(tokens_per_s, model_flops, peak),
+                hfu=flops.utilization(tokens_per_s, model_flops + extra, peak),
                 peak_mem_bytes=peak_mem, activation_bytes=activations, device=str(device),
                 config=dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
                             batch_size=cfg.batch_size, accum=accum, attn=cfg.attn))
@@ -203,8 +203,8 @@ def peak_source(cfg, recipe, device, peak):
         return "--peak_flops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        return f"{name}, dense {recipe.name} (flops.CUDA_PEAK_TFLOPS)" if peak else \
-            f"none: {name} is not in flops.CUDA_PEAK_TFLOPS (give --peak_flops)"
+        return f"{name}, dense {recipe.name} (ledger/gpus.py)" if peak else \
+            f"none: {name} is not in ledger/gpus.py, or has no {recipe.name} units (give --peak_flops)"
     return f"measured: this CPU's {recipe.param_dtype} addmm (flops.peak_flops)"
 
 
@@ -417,7 +417,7 @@ def run_sections(argv):
     planned = []
     run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, planned, dry=True)
     for flags in planned:
-        cli.parse_args(flags)
+        check_fits(cli.parse_args(flags), device)  # and a shape this machine cannot hold, in one line
     rows = run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_error, [], dry=False,
                              rounds=opts.rounds)
     out = Path(cfg.out_dir)

@@ -1,5 +1,5 @@
 """`make bench`'s compile section: the same model eager and with each block compiled (COMPILE=1,
-train.compile_blocks), in one process, their steps in turn on the same batches.
+build.compile_blocks), in one process, their steps in turn on the same batches.
 
 A tool, not a chapter file. Read tools/bench.py first (measure_pair: the same design, our recompute
 against PyTorch's), then `measure_compiled`. tools/bench.py starts this file once per row, in a
@@ -64,7 +64,7 @@ def measure_compiled(flags, pairs, warmup):
     for who, (model, parts) in runs.items():
         tok_s = tokens_per_step / (ms[who] / 1000)
         row |= {f"ms_per_step_{who}": ms[who], f"tokens_per_s_{who}": tok_s,
-                f"mfu_{who}": flops.utilization(tok_s, model.flops_per_token(), peak),
+                f"mfu_{who}": flops.utilization(tok_s, flops.per_token(cfg)[0], peak),
                 f"peak_{who}": step_peak(model, parts, micro, cfg, device),
                 f"gemm_share_{who}": gemm_share(model, parts, micro, cfg, device)}
     row["line"] = line(row, f"{parts.recipe.name} {cfg.ckpt}")  # what tools/bench.py prints

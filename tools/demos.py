@@ -22,6 +22,7 @@ import train  # noqa: E402
 from guards import cli  # noqa: E402
 from config import Config, UsageError, validate  # noqa: E402
 from guards.cli import given  # noqa: E402
+from guards.preflight import check_fits  # noqa: E402
 from data import Batches, load_tokens  # noqa: E402
 from model import GPT  # noqa: E402
 
@@ -116,15 +117,16 @@ def counted_step_flops(flags):
     if ignored:
         raise UsageError(f"--{', --'.join(sorted(ignored))}: the FLOP count runs one forward and backward of a fresh "
                          f"model, nothing else applies (only --{', --'.join(sorted(COUNTED_KEYS))})")
-    flops = {}
+    counted = {}
     for policy in checkpoint.POLICIES:  # every policy there is: a new one is counted too
         cfg = validate(replace(base, ckpt=policy, **COUNTED_AS))
+        check_fits(cfg, torch.device("cpu"))  # a shape this machine cannot hold, refused in one line
         model, _ = train.build(cfg)
         x = torch.randint(0, model.cfg.vocab_size, (cfg.batch_size, cfg.block_size))
         with FlopCounterMode(display=False) as counter:
             model(x, x)[1].backward()
-        flops[policy] = counter.get_total_flops()
-    return flops
+        counted[policy] = counter.get_total_flops()
+    return counted
 
 
 def format_flops(counted):

@@ -33,16 +33,15 @@ def format_table(rows):
 
 
 def format_what_if(rows, gpu_gib):
-    lines = [f"what-if, per GPU: bf16 + AdamW, manual attention, CUDA dtypes, dropout 0 (Config's default; the "
-             f"published figures below use 0.1),",
-             f"states = parameters + gradients + FP32 master + AdamW (ZeRO-3 shards them, not the buffers), "
-             f"activations after the forward at b=1,",
-             f"max b = the largest micro-batch whose peak (the walk of ledger/walk.py) fits a {gpu_gib} GiB GPU:",
-             f"{'shape':14} {'params':>9} {'ckpt':>9} {'sharding':>9} {'states':>11} {'buffers':>11} "
-             f"{'activations':>12} {'max b':>6}"]
+    lines = [f"what-if, per GPU: bf16 + AdamW, manual attention, a GPU's kernel rules, dropout 0 (Config's default; "
+             f"the published figures below use 0.1), traced (ledger/plan.py: small traces extended to the depth),",
+             f"states = what a rank holds all step: parameters, FP32 master, AdamW, buffers (FSDP shards all but the "
+             f"buffers); activations after the forward at b=1,",
+             f"max b = the largest micro-batch whose traced peak fits a {gpu_gib} GiB GPU (0: not even b=1):",
+             f"{'shape':14} {'params':>9} {'ckpt':>9} {'sharding':>9} {'states':>11} {'activations':>12} {'max b':>6}"]
     for r in rows:
         lines.append(f"{r['shape']:14} {r['P'] / 1e9:8.2f}B {r['ckpt']:>9} {r['zero']:>9} {fmt_bytes(r['states']):>11} "
-                     f"{fmt_bytes(r['buffers']):>11} {fmt_bytes(r['activations']):>12} {r['max_b']:6d}")
+                     f"{fmt_bytes(r['activations']):>12} {r['max_b']:6d}")
     return "\n".join(lines)
 
 
@@ -99,12 +98,14 @@ def svg(rows, title):
 
 def in_words(e):
     """An exception as one line for the learner, the report going on around it: its type, its message
-    on one line, and the innermost place in this project it came from (never a traceback)."""
+    on one line, and the innermost place in this project it came from, outside the ledger's own machinery
+    (ledger/: the census and the trace around a learner's code), never a traceback."""
     where = ""
-    for frame in reversed(traceback.extract_tb(e.__traceback__)):
-        path = Path(frame.filename).resolve()
-        if path.is_relative_to(ROOT) and not {".venv", "site-packages"} & set(path.parts):
-            where = f" ({path.relative_to(ROOT)}:{frame.lineno})"
-            break
+    frames = [(Path(f.filename).resolve(), f.lineno) for f in traceback.extract_tb(e.__traceback__)]
+    ours = [(path, line) for path, line in frames
+            if path.is_relative_to(ROOT) and not {".venv", "site-packages"} & set(path.parts)]
+    for path, line in reversed([f for f in ours if f[0].parent.name != "ledger"] or ours):
+        where = f" ({path.relative_to(ROOT)}:{line})"
+        break
     text = " ".join(str(e).split())
     return f"{type(e).__name__}{': ' + text[:300] if text else ''}{where}"

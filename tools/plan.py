@@ -1,41 +1,45 @@
-"""`make plan`: will it fit? Every configuration of a model that fits a GPU, fastest first.
+"""`make plan`: will it fit? Every configuration of model.py as it is that fits a GPU, fastest first.
 
-A tool, not a chapter file: it asks ledger/plan.py (the planner, on memory_ledger's exact peak walk)
-and prints. For the model shape of the config keys (N_LAYER, N_EMBD, N_HEAD, BLOCK_SIZE, VOCAB_SIZE,
-DROPOUT, BIAS), a GPU, NPROC GPUs and a target batch (TOTAL_BATCH_TOKENS), it lists every precision x
-recompute policy x sharding x attention that fits: the largest micro-batch, the micro-steps to the
-target batch, the peak and the headroom, the recompute FLOPs, what a step sends, the step time at a
-stated MFU; what does not fit or run says why. The best row ends with the command that runs it.
+A tool, not a chapter file: it asks ledger/plan.py (the planner, on the traced step of model.py:
+ledger/trace.py) and prints. For the model shape of the config keys (N_LAYER, N_EMBD, N_HEAD,
+BLOCK_SIZE, VOCAB_SIZE, DROPOUT, BIAS), a GPU, NPROC GPUs and a target batch (TOTAL_BATCH_TOKENS), it
+lists every precision x recompute policy x sharding x attention that fits: the largest micro-batch (or
+BATCH_SIZE's, where given: does it fit?), the micro-steps to the target batch, the peak as
+torch.cuda.max_memory_allocated, max_memory_reserved and nvidia-smi would show it, the headroom, the
+recompute FLOPs, what a step sends, the step time at a stated MFU; what does not fit or run says why.
+The best row ends with the command that runs it.
 
     python tools/plan.py --n_layer=32 --n_embd=4096 --n_head=32 --block_size=4096 --vocab_size=32000 --nproc=8
     make plan N_LAYER=32 N_EMBD=4096 N_HEAD=32 BLOCK_SIZE=4096 VOCAB_SIZE=32000 NPROC=8 ARGS=--gpu=H200
 
---gpu is a name of the table (ledger/plan.py GPUS) or a size ("24GiB": what CUDA reports). A key of
+--gpu is a name of the table (ledger/gpus.py) or a size ("24GiB": what CUDA reports). A key of
 the search given on the command line (PRECISION, CKPT, SHARD, ATTN) fixes it. DEVICE=cpu plans
 against a byte budget as this machine measures it (--gpu=<size>; no CUDA context, no allocator):
 what tests/test_plan.py holds to ledger/measure.py. Writes OUT_DIR/plan.svg. Bad input is one line
 'error: ...' and exit status 2, nothing written; no configuration that fits is exit status 1.
 """
+import math
+import os
 import sys
 import time
 from html import escape
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's files sit one folder up
 
 import checkpoint  # noqa: E402
-import memory_ledger as ml  # noqa: E402
 from config import SHARDS, UsageError, key  # noqa: E402
 from guards import cli  # noqa: E402
 from guards.files import check_writable, write_atomically  # noqa: E402
+from ledger import gpus  # noqa: E402
 from ledger import plan as lp  # noqa: E402
-from ledger.measure import MIN_BLOCK, SMALL_SIZE  # noqa: E402
+from ledger.measure import SMALL_SIZE  # noqa: E402
 from tools.ledger_report import fmt_bytes  # noqa: E402
 
 SHAPE = ("n_layer", "n_embd", "n_head", "block_size", "vocab_size", "dropout", "bias")
 APPLIES = set(SHAPE + lp.SEARCHED) | {"total_batch_tokens", "device", "out_dir", "peak_flops", "fp32_grad_accum",
-                                   "ckpt_segment"}
+                                   "ckpt_segment", "batch_size"}
 MAKE_NAMES = dict(n_layer="N_LAYER", n_embd="N_EMBD", n_head="N_HEAD", block_size="BLOCK_SIZE",
                   vocab_size="VOCAB_SIZE", dropout="DROPOUT", bias="BIAS", fp32_grad_accum="FP32_GRAD_ACCUM",
                   ckpt_segment="CKPT_SEGMENT")
@@ -43,7 +47,7 @@ MAKE_NAMES = dict(n_layer="N_LAYER", n_embd="N_EMBD", n_head="N_HEAD", block_siz
 
 @dataclass
 class PlanOptions:
-    gpu: str = key("H100", f"a GPU of the table ({', '.join(lp.GPUS)}) or a size such as 24GiB")
+    gpu: str = key("H100", f"a GPU of the table ({', '.join(gpus.GPUS)}) or a size such as 24GiB")
     nproc: int = key(1, "GPUs, one data-parallel rank each (make plan NPROC=8); this planner's range: up to 16384",
                      at_least=1, at_most=16384)
     mfu: float = key(lp.MFU, "the share of the GPU's peak FLOP/s the step time assumes, in (0, 1]", at_least=0.0)
@@ -57,14 +61,14 @@ def options(argv):
     named = cli.given(argv)
     ignored = named - APPLIES - {f.name for f in fields(PlanOptions)}
     if "compile" in ignored:
-        raise UsageError("--compile: the plan walks the eager step; compiled blocks keep what their partitioner "
+        raise UsageError("--compile: the plan traces the eager step; compiled blocks keep what their partitioner "
                          "chooses (make ledger COMPILE=1 measures it)")
     if ignored:
-        raise UsageError(f"--{', --'.join(sorted(ignored))}: the plan walks one step of the shape it is given "
-                         f"and finds the micro-batch itself, this does not apply")
+        raise UsageError(f"--{', --'.join(sorted(ignored))}: the plan traces one step of the shape it is given, "
+                         f"this does not apply")
     if not 0 < opts.mfu <= 1:
         raise UsageError(f"--mfu must be in (0, 1], got {opts.mfu}")
-    gpu = lp.find_gpu(opts.gpu)
+    gpu = gpus.find_gpu(opts.gpu)
     cpu = cfg.device == "cpu"
     if cpu and gpu.tflops is not None:
         raise UsageError(f"--device=cpu plans against a byte budget: give --gpu=<size> (e.g. 64MiB), not {gpu.name}")
@@ -78,7 +82,12 @@ def options(argv):
     if target % step_tokens:
         raise UsageError(f"--total_batch_tokens={target} is not a multiple of NPROC x block_size = {opts.nproc} x "
                          f"{cfg.block_size} = {step_tokens}")
-    return cfg, opts, gpu, target, {k: getattr(cfg, k) for k in lp.SEARCHED if k in named}
+    if "batch_size" in named and (target // step_tokens) % cfg.batch_size:
+        raise UsageError(f"--batch_size={cfg.batch_size} does not divide the {target // step_tokens} sequences each "
+                         f"GPU takes per step (TOTAL_BATCH_TOKENS={target} over NPROC={opts.nproc} x block_size "
+                         f"{cfg.block_size})")
+    return cfg, opts, gpu, target, {k: getattr(cfg, k) for k in lp.SEARCHED if k in named}, \
+        cfg.batch_size if "batch_size" in named else None
 
 
 def command(cfg, row, world):
@@ -91,8 +100,6 @@ def command(cfg, row, world):
     words += [f"PRECISION={row.recipe}", f"CKPT={row.ckpt}", f"ATTN={row.attn}"]
     words += [f"SHARD={row.shard}"] if world > 1 else []
     words += [f"BATCH_SIZE={row.b}", f"ACCUM={row.accum}"]
-    if row.shard == "fsdp" and row.accum > 1:  # no_sync under FSDP keeps whole FP32 gradients between micro-steps
-        words.append("NO_SYNC=false")
     return " ".join(words)
 
 
@@ -101,26 +108,22 @@ def margin_lines(cfg, gpu, opts):
     if cfg.device == "cpu":
         return [f"budget: {gpu.total:,} bytes as given (CPU: no CUDA context, no caching allocator; ledger/measure.py "
                 f"counts live storages)"]
-    lines = [f"budget per GPU: {gpu.name}, {fmt_bytes(gpu.total)} as CUDA reports it"]
-    if gpu.driver:
-        lines[0] += f" ({fmt_bytes(gpu.total + gpu.driver)} in nvidia-smi less {fmt_bytes(gpu.driver)} the driver " \
-                    f"keeps)"
-    lines[0] += f"; figures from {gpu.source}"
-    lines += [f"  - {opts.context_mib} MiB the CUDA context (~400 MB with lazy module loading: pytorch/pytorch#109888)",
-              f"  - {fmt_bytes(gpu.workspace)} cuBLAS's workspaces, from PyTorch's allocator: the main thread's and "
-              f"autograd's (CublasHandlePool.cpp: 4096 KiB x 8 each on sm90, else 2 x 4096 KiB + 8 x 16 KiB)",
-              f"  - each row's allocator bound: {MIN_BLOCK - 1} bytes of rounding per storage alive at the peak and "
-              f"up to {SMALL_SIZE // lp.MIB} MiB of block slack per storage over {SMALL_SIZE // lp.MIB} MiB "
-              f"(CUDACachingAllocator.cpp: ledger/measure.allocator_bounds); segments left half-used between steps "
-              f"are not bounded here",
-              "  make gpu-check measures the context and the slack on the GPU it runs on (allocated, reserved and the "
-              "device's total at the plan's best row)"]
+    lines = [f"budget per GPU: {gpu.name}, {fmt_bytes(gpu.total)} as CUDA reports it"
+             + (f" ({fmt_bytes(gpu.total + gpu.driver)} in nvidia-smi)" if gpu.driver else "")
+             + f", less {opts.context_mib} MiB the CUDA context (pytorch/pytorch#109888); figures: {gpu.source}",
+             f"  allocated = the traced peak + up to 511 bytes per storage alive there (the caching allocator rounds "
+             f"to 512: CUDACachingAllocator.cpp) + {fmt_bytes(gpu.workspace)} of BLAS workspaces (main and autograd "
+             f"threads: ledger/gpus.py)",
+             f"  reserved = allocated + up to {SMALL_SIZE // lp.MIB} MiB per storage over {SMALL_SIZE // lp.MIB} MiB "
+             f"there (a cached block may be larger); it must fit the budget. nvidia-smi = reserved + the context",
+             f"  a GPU's kernels are traced by ledger/trace.CUDA's rules where this torch has no CUDA (each unverified "
+             f"until make gpu-check); make gpu-check measures the context and the allocator on the GPU it runs on"]
     return lines
 
 
 def table(rows):
-    head = (f"{'precision':9} {'ckpt':9} {'shard':5} {'attn':6} {'b':>4} {'K':>4} {'peak':>10} {'headroom':>10} "
-            f"{'recompute':>9} {'sent/step':>10} {'step':>8} {'tokens/s':>12}")
+    head = (f"{'precision':9} {'ckpt':9} {'shard':5} {'attn':6} {'b':>4} {'K':>4} {'allocated':>10} {'reserved':>10} "
+            f"{'nvidia-smi':>10} {'headroom':>10} {'recompute':>9} {'sent/step':>10} {'step':>8} {'tokens/s':>12}")
     out = [head]
     for r in rows:
         if r.why:
@@ -128,8 +131,9 @@ def table(rows):
         step = f"{r.step_s:7.2f}s" if r.step_s else "-"
         speed = f"{r.tokens_per_s:12,.0f}" if r.tokens_per_s else "-"
         out.append(f"{r.recipe:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.b:4d} {r.accum:4d} "
-                   f"{fmt_bytes(r.peak):>9}{'~' if r.estimate else ' '} {fmt_bytes(r.budget - r.peak):>10} "
-                   f"{100 * r.recompute:+8.1f}% {fmt_bytes(r.sent):>10} {step:>8} {speed:>12}")
+                   f"{fmt_bytes(r.allocated):>10} {fmt_bytes(r.reserved):>10} {fmt_bytes(r.smi):>10} "
+                   f"{fmt_bytes(r.budget - r.reserved):>10} {100 * r.recompute:+8.1f}% {fmt_bytes(r.sent):>10} "
+                   f"{step:>8} {speed:>12}")
     return out
 
 
@@ -162,7 +166,7 @@ def svg(rows, title):
         out.append(f'<rect x="{left}" y="{y}" width="{states * scale:.1f}" height="{bar}" fill="#4e79a7"/>')
         out.append(f'<rect x="{left + states * scale:.1f}" y="{y}" width="{rest * scale:.1f}" height="{bar}" '
                    f'fill="#59a14f"/>')
-        note = f"b={r.b} K={r.accum}{' (estimate)' if r.estimate else ''}" if not r.why else r.why.split(" (")[0]
+        note = f"b={r.b} K={r.accum}" if not r.why else r.why.split(" (")[0]
         end = left + max(r.peak, r.states) * scale
         out.append(f'<text x="{end + 4:.1f}" y="{y + 12}">{escape(note)}</text>')
     x = left + rows[0].budget * scale
@@ -178,27 +182,29 @@ def program(argv):
         print(__doc__.strip() + "\n\n" + cli.usage("tools/plan.py", PlanOptions))
         return 0
     started = time.perf_counter()
-    cfg, opts, gpu, target, fixed = options(argv)
+    cfg, opts, gpu, target, fixed, batch = options(argv)
     path = Path(cfg.out_dir) / "plan.svg"
     check_writable(path.parent, "--out_dir")
     world = opts.nproc
-    rows = lp.plan(cfg, gpu, world, target, fixed, opts.mfu, 0 if cfg.device == "cpu" else opts.context_mib * lp.MIB)
+    rows = lp.plan(cfg, gpu, world, target, fixed, opts.mfu, 0 if cfg.device == "cpu" else opts.context_mib * lp.MIB,
+                   batch, workers=len(os.sched_getaffinity(0)))  # a process per core traces
     if not rows:
         raise UsageError(f"nothing to plan: {', '.join(f'{k}={v}' for k, v in fixed.items())} with NPROC={world}")
-    P = ml.param_count(replace(cfg, device="cuda"))[0]
+    P = sum(math.prod(shape) for shape in lp.param_shapes(cfg))
     fits = [r for r in rows if r.why is None]
     print(f"plan: L={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} s={cfg.block_size} V={cfg.vocab_size} "
           f"({P:,} parameters) on {world} x {gpu.name}, {target:,} tokens per optimizer step "
           f"({target // (world * cfg.block_size)} sequences per GPU)")
     print("\n".join(margin_lines(cfg, gpu, opts)))
-    peak_source = "the GPU's peak (flops.CUDA_PEAK_TFLOPS)" if gpu.tflops else \
+    peak_source = "the GPU's peak (ledger/gpus.py)" if gpu.tflops else \
         "PEAK_FLOPS" if cfg.peak_flops else None
-    print(f"step = (model + recompute FLOPs) per GPU / ({peak_source} x MFU {opts.mfu:.0%}); fp8: the blocks' "
-          f"Linears' forward at FP8's peak, the rest at BF16's" if peak_source else
+    print(f"step = (model + recompute FLOPs, counted on the trace) per GPU / ({peak_source} x MFU {opts.mfu:.0%}); "
+          f"fp8: its FP8 GEMMs' FLOPs at FP8's peak, the rest at BF16's" if peak_source else
           "step time: no FLOP/s for a GPU given by its size (PEAK_FLOPS=... gives one): sorted by recompute, bytes")
-    print(f"\n{len(fits)} configurations fit, {'fastest first' if peak_source else 'least recompute first'} (peak: the highest rank's, walked op by op: on CPU what "
-          f"ledger/measure.py measures; ~: fsdp, the textbook ZeRO-3 walk, an estimate; sent: what a step's "
-          f"collectives move per rank, the ZeRO paper's volume):")
+    print(f"\n{len(fits)} configurations fit{f' at BATCH_SIZE={batch}' if batch else ''}, "
+          f"{'fastest first' if peak_source else 'least recompute first'} (the highest rank's peak, traced op by op: "
+          f"on CPU what ledger/measure.py measures; sent: what a step's collectives move per rank, the ZeRO "
+          f"paper's volume):")
     print("\n".join(table(rows)))
     if fits:
         best = fits[0]

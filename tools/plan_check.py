@@ -3,9 +3,11 @@ micro-batch trains where the next one runs out of memory, on a smaller GPU emula
 
 A tool, not a chapter file. Read ledger/plan.py first (the planner, its `budget`). Two parts:
   1. the margin on this GPU: CUDA's total (torch), nvidia-smi's total (what the driver keeps is the
-     difference), cuBLAS's workspaces (ledger/run.blas_workspaces) and the CUDA context: what a
+     difference), cuBLAS's workspaces (guards/report.blas_workspaces) and the CUDA context: what a
      process holds beyond PyTorch's allocator once CUDA and cuBLAS are up (total - free - reserved);
-  2. a GPU of --emulate bytes (auto: the size at which the plan's micro-batch is --micro_batch exactly,
+  2. ledger/trace.CUDA's rules, which stand in for a GPU's kernels where torch has no CUDA, against
+     this GPU's: the same step traced both ways;
+  3. a GPU of --emulate bytes (auto: the size at which the plan's micro-batch is --micro_batch exactly,
      so that one sequence more is a whole sequence's activations over): the allocator is capped at
      that size less the measured context (torch.cuda.set_per_process_memory_fraction), the plan's
      micro-batch trains two steps of two micro-steps (allocated and reserved peaks read, the slack
@@ -32,9 +34,10 @@ import train  # noqa: E402
 from config import UsageError, key  # noqa: E402
 from guards import cli  # noqa: E402
 from guards.files import check_writable, write_atomically  # noqa: E402
-from ledger import measure  # noqa: E402
+from ledger import gpus, measure, trace  # noqa: E402
 from ledger import plan as lp  # noqa: E402
-from ledger import run as ledger_run  # noqa: E402
+from guards import report as ledger_run  # noqa: E402
+from ledger.measure import MIN_BLOCK, SMALL_SIZE  # noqa: E402
 
 # GPT-2 small's blocks at context 2048: a sequence's activations (~2 GiB in bf16) dwarf the allocator's bound
 CHECK_SHAPE = dict(n_layer=12, n_embd=768, n_head=12, block_size=2048)
@@ -104,25 +107,44 @@ def program(argv):
     device = torch.device("cuda", 0)
     found = margin(device)
     peaks = lp.Peaks(cfg, 1, 2)  # two micro-steps: the plan's K > 1
-    bound = lp.allocator_bound(peaks)
-    size = peaks.at(opts.micro_batch)[0] + bound + found["context"] + found["workspace"] \
-        if opts.emulate == "auto" else lp.find_gpu(opts.emulate).total
-    emulated = lp.GPU(f"{size / lp.GIB:.2f} GiB emulated", size, 0, None, "tools/plan_check.py", found["workspace"])
-    b = peaks.largest(lp.budget(peaks, emulated, found["context"]))
-    if b == 0:
-        raise UsageError(f"--emulate={opts.emulate}: not even one sequence fits {emulated.name}")
+    peak, _, _, storages, large = peaks.at(opts.micro_batch)
+    bound = (MIN_BLOCK - 1) * storages + SMALL_SIZE * large  # the allocator's rounding and block slack there
+    size = peak + bound + found["context"] + found["workspace"] \
+        if opts.emulate == "auto" else gpus.find_gpu(opts.emulate).total
+    b = peaks.largest(size - found["context"] - found["workspace"] - bound)
+    if b < 2 and peaks.at(2)[0] + bound + found["context"] + found["workspace"] > size:
+        raise UsageError(f"--emulate={opts.emulate}: not even two sequences fit {size / lp.GIB:.2f} GiB")
+    rules = rules_check(cfg, b)
     cap = size - found["context"]
     torch.cuda.set_per_process_memory_fraction(cap / found["cuda_total"], device)
     fits, next_one = train_steps(cfg, b, 2, device), train_steps(cfg, b + 1, 2, device)
     figures = dict(found, emulated=size, cap=cap, bound=bound, b=b, predicted=peaks.at(b)[0],
                    predicted_next=peaks.at(b + 1)[0], recipe=precision.recipe(cfg).name, ckpt=cfg.ckpt, attn=cfg.attn,
                    allocated=fits and fits[0], reserved=fits and fits[1], next_fits=next_one is not None,
-                   next_allocated=next_one and next_one[0], ok=fits is not None and next_one is None)
+                   next_allocated=next_one and next_one[0], rules=rules,
+                   ok=fits is not None and next_one is None and rules["same"])
     text = json.dumps(figures, indent=1)
     out.mkdir(parents=True, exist_ok=True)
     write_atomically(out / "plan_check.json", lambda fh: fh.write(text.encode()))
     print("\n".join(summary(figures)))
     return 0 if figures["ok"] else 1
+
+
+def rules_check(cfg, b):
+    """ledger/trace.CUDA's rules against this GPU's own kernels: the step traced on fake CUDA tensors, and
+    again on fake CPU tensors with the rules (what a CPU-only machine traces), at every precision; the same
+    peak and saved bytes verify them."""
+    out = {}
+    for name in ("fp32", "bf16", "fp8"):
+        one = replace(cfg, precision=name, batch_size=b, dropout=0.1, n_layer=2)
+        real = trace.step(one)
+        with trace.rules_forced():
+            ruled = trace.step(one)
+        out[name] = dict(peak=real["peak"], ruled_peak=ruled["peak"], activations=real["activations"],
+                         ruled_activations=ruled["activations"])
+    out["same"] = all(v["peak"] == v["ruled_peak"] and v["activations"] == v["ruled_activations"]
+                      for v in out.values())
+    return out
 
 
 def summary(f):
@@ -143,6 +165,11 @@ def summary(f):
     lines.append(f"micro-batch {f['b'] + 1} (predicted {f['predicted_next']:,}): "
                  + (f"FAILED: it trained too (allocated {f['next_allocated']:,})" if f["next_fits"]
                     else "out of memory, as planned"))
+    rules = {k: v for k, v in f["rules"].items() if k != "same"}
+    lines.append("ledger/trace.CUDA's rules against this GPU's kernels (peak, activations; traced on fake CUDA, then on "
+                 "fake CPU with the rules): " + "; ".join(
+                     f"{k} {v['peak']:,} / {v['ruled_peak']:,}, {v['activations']:,} / {v['ruled_activations']:,}"
+                     for k, v in rules.items()) + (": the same" if f["rules"]["same"] else ": DIFFERENT"))
     return lines
 
 

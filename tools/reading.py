@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["config", "model", "precision", "fp8", "accumulate", "checkpoint", "memory_ledger", "zero", "fsdp", "train",
+ORDER = ["config", "model", "precision", "fp8", "accumulate", "checkpoint", "memory_ledger", "zero", "fsdp", "train", "build",
          "snapshot", "data", "flops"]  # the files in the order PATHS reads them
 
 
@@ -38,7 +38,7 @@ PATHS = [  # in the README's reading order
     Reading("the model", "model.py", ("GPT", "Block", "CausalSelfAttention", "AttentionCore", "MLP", "default_linear",
                                       "run_blocks_in_order")),
     Reading("mixed precision: master weights + loss scaler", "precision.py",
-          ("MasterWeightOptimizer", "squared_sum", "LossScaler"), ("AdamW", "optimizer_spec", "recipe", "Recipe"), 150),
+          ("MasterWeightOptimizer", "squared_sum", "host_value", "LossScaler"), ("AdamW", "optimizer_spec", "recipe", "Recipe"), 150),
     Reading("FP8: E4M3 forward, delayed scaling, BF16 backward", "fp8.py",
           ("Settings", "scale_from_amax", "amax_of", "quantize", "_FP8LinearFunction", "FP8Linear", "layers",
            "fold_amax", "release_weight_copies"), (), 150),
@@ -54,19 +54,24 @@ PATHS = [  # in the README's reading order
           ("recompute", "_Enough", "Unit", "_never_unpacked", "RerunNode", "Policy", "register", "NoRecompute", "Full",
            "Sqrt", "Selective", "policy", "apply_policy", "_unit_runner", "_checked_units"),
           ("is_recomputing", "_recomputing", "_autocast_state", "_autocast", "rerun_stops_early", "torch_recompute",
-           "recompute_flops_per_token")),
+           )),
     Reading("the memory ledger's closed forms", "memory_ledger.py",
-          ("bytes_per_param_closed", "layer_activations_closed", "full_recompute_layer_closed", "sqrt_units_closed",
-           "zero_bytes_per_rank")),
+          ("bytes_per_param_closed", "params_closed", "layer_terms_closed", "layer_activations_closed",
+           "head_activations_closed", "full_recompute_layer_closed", "sqrt_units_closed", "zero_bytes_per_rank")),
+    Reading("the memory ledger: which term each traced byte is", "memory_ledger.py",
+            ("TERMS", "closed_terms", "module_kinds", "term_of", "account", "as_counted", "in_words", "differences",
+             "state_differences", "components"), docstring=False),
     Reading("ZeRO-1/2 by hand", "zero.py", ("Shards", "Piece", "flatten", "SliceOptimizer", "ShardedOptimizer",
                                          "norm_over_ranks"), (), 150),
     Reading("FSDP2 (ZeRO-3)", "fsdp.py", ("apply_fsdp", "ShardOptimizer"), (), 100),
     Reading("the training loop", "train.py", ("train_loop",), ("resume", "lr_at", "estimate_loss", "sample"), 60),
-    Reading("building a run: precision, model, policy, optimizer", "train.py",
-            ("build", "compile_blocks", "make_optimizer", "wrap_ddp", "pick_device"), docstring=False),
+    Reading("building a run: precision, model, policy, optimizer", "build.py",
+            ("build", "compile_blocks", "make_optimizer", "wrap_ddp", "pick_device")),
     Reading("snapshots and the random streams", "snapshot.py",
             ("capture", "restore", "save", "read", "rng_state", "set_rng_state")),
     Reading("the data", "data.py", ("Batches", "DrawnOnce")),
+    Reading("MFU and HFU: FLOPs counted from the model", "flops.py",
+            ("per_token", "_counted", "_count", "Counted", "CPU_ATTENTION", "_attention", "utilization", "peak_flops", "_cpu_peak")),
 ]
 
 

@@ -1,9 +1,9 @@
-"""What the trainer says while it runs: the progress line, and memory as the trainer sees it (will
-this run fit, how much it holds now, what the ledger predicted, the allocator's own history).
+"""What a run says while it runs: the header, the progress line (loss, ms/step, tokens/s, MFU and HFU,
+memory, the loss scale), evaluation's line, and memory as the trainer sees it (the traced step beside the
+CUDA allocator's figures, each rank's states, the allocator's history).
 
-Chapter section 4, applied to a live run. Read memory_ledger.py first (the formulas), then
-`Report` (everything train.train_loop says, behind one name); nothing here copies the model or
-runs a step again. train.py calls `check_fits` before building anything.
+Chapter: sections 1 and 3's costs, read off a live run (flops.py's MFU and HFU). Read train.py first
+(`train_loop` makes one Report and calls it after each step), then `Report.progress_line`.
 """
 import dataclasses
 import os
@@ -18,11 +18,10 @@ import accumulate
 import checkpoint
 import flops
 import memory_ledger
-from config import UsageError
-from guards.data_files import host_memory_available
 from guards.files import write_atomically
+from ledger import measure, trace
 
-MiB, GiB = 2 ** 20, 2 ** 30
+MiB = 2 ** 20
 HISTORY_STEPS = 3  # --memory_snapshot records the first steps: the first creates AdamW's states
 MEMORY_HISTORY = "memory_snapshot.pickle"  # --memory_snapshot's file in out_dir
 
@@ -37,15 +36,14 @@ class Report:
         self.cfg, self.model, self.parts, self.device, self.world_size = cfg, model, parts, device, world_size
         self.start_step, self.log, self.master = start_step, log, rank == 0
         seqs, self.tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
-        self.flops_per_token = model.flops_per_token()
         # a compiled block saves its tensors at its end, so a unit of blocks re-runs whole (a core stays eager)
-        policy = checkpoint.policy(cfg)
-        stop_early = checkpoint.rerun_stops_early(cfg, parts.recipe) and not (cfg.compile and policy.block_units(1))
-        self.hw_flops_per_token = self.flops_per_token + checkpoint.recompute_flops_per_token(
-            model, policy, stop_early=stop_early)
+        stop_early = checkpoint.rerun_stops_early(cfg, parts.recipe) and not (cfg.compile and
+                                                                             checkpoint.policy(cfg).block_units(1))
+        self.flops_per_token, again = flops.per_token(cfg, stop_early)
+        self.hw_flops_per_token = self.flops_per_token + again
         self.peak = flops.peak_flops(cfg, parts.recipe, device)
         if self.master:
-            log(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
+            log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
                 f"precision {parts.recipe.name}, ckpt {cfg.ckpt}, attn {cfg.attn}, device {device}"
                 + (", each block compiled (torch.compile)" if cfg.compile else ""))
             log(f"effective batch = micro-batch {cfg.batch_size} x world_size {world_size} x accum {accum} "
@@ -76,7 +74,7 @@ class Report:
             self.log(self.progress_line(step, loss))
 
     def compiled_line(self, step, loss):
-        """COMPILE: the first step compiles the blocks (train.compile_blocks) as it runs; its time is
+        """COMPILE: the first step compiles the blocks (build.compile_blocks) as it runs; its time is
         said on a line of its own, and tokens/s, MFU and ms/step count from the step after it."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -112,28 +110,7 @@ class Report:
         self.t_last += time.perf_counter() - t_eval
 
 
-def check_fits(cfg, device):
-    """Raise UsageError when the ledger's estimate of a step's peak exceeds what this device has
-    free (CPU: available memory shared by this node's ranks): refused before anything is built."""
-    if device.type == "cuda":
-        free, where = torch.cuda.mem_get_info(device)[0], f"free on {torch.cuda.get_device_name(device)}"
-    else:
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        free = host_memory_available() // ranks
-        where = "of memory available" + (f" per rank ({ranks})" if ranks > 1 else "")
-    ledger_cfg = dataclasses.replace(cfg, device=device.type)
-    try:
-        # a lower bound first, in O(1): the states and activations alone; the op-by-op peak walk,
-        # O(L), only where the bound leaves room
-        need = sum(memory_ledger.components(ledger_cfg).values())
-        if need <= free:
-            need = memory_ledger.peak_estimate(ledger_cfg)[0]
-    except Exception:  # noqa: BLE001  (a description being edited that fails: make ledger says why; the run goes on)
-        return
-    if need > free:
-        raise UsageError(f"this shape needs about {need / GiB:,.1f} GiB for one step (the memory ledger's estimate), "
-                         f"{free / GiB:,.1f} GiB {where}: make it smaller")
-
+# ---------------------------------------------------------------- memory as the trainer sees it
 
 def now(device):
     """(text, bytes) for the progress line: CUDA allocated/peak, or this process's RSS."""
@@ -160,30 +137,27 @@ def ledger_line(cfg, device):
     return ledger_line_text(cfg, torch.cuda.memory_allocated(device), max_allocated, workspaces)
 
 
-def ledger_line_text(cfg, allocated, max_allocated, workspaces):
+def ledger_line_text(cfg, allocated, max_allocated, workspaces, world=1):
     """The line, from the allocator's readings and the measured workspaces ({} where not measured)."""
-    ledger_cfg = dataclasses.replace(cfg, device="cuda")
-    st = memory_ledger.state_bytes(ledger_cfg)
-    states = sum(st[k] for k in ("parameters", "buffers", "master", "optimizer", "fp8_weights")) \
-        + st["gradients"] - st["parameters"]  # FP32 gradient buffers stay; .grad is freed after the step
-    peak, where, _ = memory_ledger.peak_estimate(ledger_cfg)
+    step = trace.step(dataclasses.replace(cfg, device="cuda"), world, int(os.environ.get("RANK", 0)))
+    states = sum(step[k] for k in ("parameters", "buffers", "master", "optimizer"))  # .grad goes after a step
+    peak = step["peak"]
     blas = sum(workspaces.values())
     if workspaces:
         each = ", ".join(f"{who} {n / MiB:.1f}" for who, n in workspaces.items())
         named = f" + cuBLAS workspaces {blas / MiB:.1f} ({each}) = {(states + blas) / MiB:.1f}"
     else:
         named = " (+ cuBLAS's workspaces: this torch cannot clear them to measure)"
-    return (f"memory after step 1 (ledger vs CUDA allocator): states {states / MiB:.1f}{named} vs allocated "
-            f"{allocated / MiB:.1f} MiB (+ the batch); steady-state peak {peak / MiB:.1f} MiB ({where})"
+    return (f"memory after step 1 (traced vs CUDA allocator): states {states / MiB:.1f}{named} vs allocated "
+            f"{allocated / MiB:.1f} MiB (+ the batch); steady-state peak {peak / MiB:.1f} MiB ({step['peak_phase']})"
             f"{f' + workspaces = {(peak + blas) / MiB:.1f}' if blas else ''} vs max allocated "
             f"{max_allocated / MiB:.1f} MiB (step 1 also creates AdamW's states); `make ledger` for every component")
 
 
 def states_line(cfg, model, parts, world_size):
     """Under SHARD (zero.py, fsdp.py), after the first step: what each rank holds of the states,
-    measured (the storages alive now), beside what every DDP rank would hold (ledger/shard.py's
-    formula). A collective (every rank calls it); rank 0's return is the line, the others' None."""
-    from ledger import measure, shard  # measure imports accumulate and checkpoint: loaded when asked
+    measured (the storages alive now), beside what every DDP rank would hold (ZeRO's closed form: 16
+    bytes a parameter). A collective (every rank calls it); rank 0's return is the line, the others' None."""
     opt = parts.optimizer
     params = list(model.parameters())
     mine = [measure.storage_bytes(params),
@@ -193,12 +167,12 @@ def states_line(cfg, model, parts, world_size):
     torch.distributed.all_gather_object(every, mine)
     if torch.distributed.get_rank() != 0:
         return None
-    # counted as measured here, every storage on any device: AdamW's CPU step counts too
-    ddp = shard.rank_states(dataclasses.replace(cfg, device="cpu"), "none", world_size, 0)
     show = lambda p, m, o: f"parameters {p / MiB:.2f}, master {m / MiB:.2f}, AdamW {o / MiB:.2f}"  # noqa: E731
     ranks = "; ".join(f"rank {r}: {show(*figures)}" for r, figures in enumerate(every))
+    P = sum(p.numel() for p in params)  # (a DTensor's numel is the whole parameter's)
+    parameters, _, master, adamw = (n * P for n in memory_ledger.bytes_per_param_closed(parts.recipe.name))
     return (f"states per rank, MiB, shard={cfg.shard} over {world_size} ranks (measured): {ranks}; "
-            f"every DDP rank: {show(ddp['parameters'], ddp['master'], ddp['optimizer'])}")
+            f"every DDP rank (16 bytes a parameter): {show(parameters, master, adamw)}")
 
 
 def blas_workspaces(device):

@@ -1,0 +1,96 @@
+"""Building a run: the precision recipe, the model, the recompute policy, the sharding and the optimizer,
+each decided once from the config.
+
+Chapter: where sections 1-4 meet before the first step. Read first: `build` (every mechanism put
+together, in the order that matters: cast, recompute, compile, shard, optimizer), then `make_optimizer`
+(SHARD's choice of optimizer). train.py runs what this builds; the memory ledger builds the same run on
+fake tensors (ledger/trace.py) to count its bytes without memory.
+"""
+import inspect
+
+import torch
+
+import accumulate
+import checkpoint
+import fp8
+import fsdp
+import precision
+import zero
+from config import UsageError
+from model import GPT
+
+
+def pick_device(cfg, local_rank=0):
+    """The device cfg asks for: CUDA's LOCAL_RANK-th GPU (one per rank), or the CPU."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UsageError("--device=cuda but no CUDA device is available")
+        if local_rank >= (gpus := torch.cuda.device_count()):  # one rank per GPU: cuda:1 of one GPU is a traceback
+            raise UsageError(f"LOCAL_RANK={local_rank}, but this machine has {gpus} CUDA device(s): start at most "
+                             f"{gpus} process(es) per node (make ddp NPROC={gpus}, torchrun --nproc_per_node={gpus})")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def build(cfg, device=None):
+    """(model, accumulate.StepParts) for cfg: the model in its precision, with its recompute
+    policy, and everything an optimizer step needs. Used by the loop, the tools and the tests."""
+    device = device or pick_device(cfg)
+    recipe = precision.recipe(cfg)
+    try:
+        recipe.check_device(device)
+        torch.manual_seed(cfg.seed)
+        model = GPT(cfg, linear_factory=recipe.linear_factory())
+        sharded = cfg.shard == "fsdp"  # FSDP2 keeps FP32 shards (the master weights), casts per block
+        model.to(device=device, dtype=torch.float32 if sharded else recipe.param_dtype)
+        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts,
+                                recompute_fn=checkpoint.IMPLEMENTATIONS[cfg.ckpt_impl],
+                                stop_early=checkpoint.rerun_stops_early(cfg, recipe))
+        if cfg.compile:
+            compile_blocks(model)  # before FSDP and DDP wrap the model, as PyTorch documents
+        if sharded:
+            fsdp.apply_fsdp(model, recipe)
+        optimizer = make_optimizer(cfg, model, recipe)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    buffers = accumulate.fp32_grad_buffers(model.parameters()) if cfg.fp32_grad_accum and recipe.master_weights \
+        else None
+    parts = accumulate.StepParts(recipe=recipe, scaler=recipe.loss_scaler(), optimizer=optimizer,
+                                 grad_buffers=buffers, fp8_layers=fp8.layers(model))
+    return model, parts
+
+
+def compile_blocks(model):
+    """COMPILE: each block compiled on its own, in place; the policy's units run compiled blocks (torchtitan's
+    order). A submodule unit stays eager: traced, our hooks give its backward wrong tensors (docs/compile.md)."""
+    for block in model.h:
+        for module in block.modules():
+            if "forward" in module.__dict__:  # checkpoint.apply_policy's recompute of a submodule unit
+                module.forward = torch.compiler.disable(module.forward)
+        block.compile()
+
+
+def make_optimizer(cfg, model, recipe):
+    """The optimizer SHARD asks for, with the update rule OPTIMIZER names (precision.OPTIMIZERS): on an
+    FP32 master copy of the whole model (none: DDP keeps it on every rank), or of this rank's slice
+    only (zero1, zero2: zero.py), or on this rank's FP32 shards, which are the master weights (fsdp)."""
+    spec, settings = precision.optimizer_spec(cfg), dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                                         grad_clip=cfg.grad_clip)
+    if cfg.shard in zero.STAGES:
+        return zero.ShardedOptimizer(model.parameters(), recipe.master_weights, spec, zero.STAGES[cfg.shard],
+                                     **settings)
+    if cfg.shard == "fsdp":
+        return fsdp.ShardOptimizer(model.parameters(), recipe.master_weights, spec, **settings)
+    return precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, spec, **settings)
+
+
+def wrap_ddp(model, device):
+    """DDP's wrapper (SHARD=none over several ranks): every gradient all-reduced in its backward."""
+    from torch.nn.parallel import DistributedDataParallel
+    # no buffer sync per forward: FP8's per-step amax stays each rank's own until fp8.fold_amax takes the
+    # max over ranks (torch 2.13 renames broadcast_buffers forward_sync_buffers)
+    no_buffer_sync = ({"forward_sync_buffers": False}
+                      if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                      else {"broadcast_buffers": False})
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   **no_buffer_sync)

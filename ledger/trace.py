@@ -1,0 +1,340 @@
+"""The ledger's exact column: the real training step, run on fake tensors and counted.
+
+Chapter section 4. Read memory_ledger.py first (the formulas, and which of their terms each saved
+tensor is), then `step`. build.build makes the run as train.py does (model.py as it is, the real
+recompute, optimizer and sharding) under PyTorch's FakeTensorMode, whose tensors have shapes, dtypes
+and devices but no data, so no memory; ledger/measure.py counts that step as it counts a real one:
+every component, each saved tensor with the op and module that saved it, the bytes alive op by op,
+and flops.Counted its FLOPs. Over N ranks, PyTorch's fake process group (each collective returns at
+once) stands in for the others, one rank traced at a time; ledger/comm.py counts the collectives.
+
+What has no value on a fake tensor, the chapter's code states where it reads one (precision.host_value:
+a finite gradient norm). DDP's reducer is C++ that reads its buckets' data: its model is traced
+unwrapped, its buckets and all-reduce stated (`DDP`). A GPU's step traced where torch has no CUDA
+(a CPU build cannot make fake CUDA tensors) runs the GPU's kernels' memory rules instead of the
+CPU's: `CUDA`, each rule with its source, unverified until `make gpu-check` runs them on a GPU.
+"""
+import contextlib
+import multiprocessing
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import accumulate
+import build
+import flops
+import fsdp
+import memory_ledger
+import model
+import precision
+from backends import fp8_gemm
+from ledger import comm, measure
+
+# DDP (SHARD=none over N ranks), beyond its unwrapped model: the reducer copies every gradient into
+# buckets it makes when it wraps the model (torch/csrc/distributed/c10d/reducer.cpp, initialize_buckets:
+# one more copy of the gradients, held all step) and all-reduces them once a step (2 x P elements)
+DDP = "DDP's reducer: a bucket copy of every gradient, and their all-reduce (reducer.cpp)"
+
+CUDA = [  # what a GPU's kernels keep that a CPU's do not: (rule, source); all unverified until make gpu-check
+    ("LayerNorm's mean and rstd in FP32 for 16-bit inputs", "aten/src/ATen/native/cuda/layer_norm_kernel.cu"),
+    ("dropout one fused kernel saving a bool mask", "aten/src/ATen/native/cuda/Dropout.cu, native_dropout_cuda"),
+    ("sdpa: flash attention (16-bit) or memory-efficient (FP32), with dropout too, keeping its output and an FP32 "
+     "logsumexp (padded to 32 rows by the memory-efficient one)", "aten/src/ATen/native/transformers/cuda/"
+     "attention.cu; torch/_meta_registrations.py"),
+    ("the FP8 GEMM is torch._scaled_mm, its operands not copied to BF16", "backends/fp8_gemm.py's GPU path"),
+    ("AdamW's per-tensor step counts stay in host memory", "torch/optim/adamw.py (capturable=False)"),
+]
+
+
+def _dropout(x, p=0.5, training=True, inplace=False):
+    return torch.ops.aten.native_dropout(x, p, True)[0] if training and 0 < p < 1 else x
+
+
+def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+    if attn_mask is not None or kwargs:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+    if q.dtype == torch.float32:
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal,
+                                                                      scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+
+
+class _CudaDtypes(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.native_layer_norm.default and out[1].dtype != torch.float32:
+            return out[0], out[1].float(), out[2].float()
+        return out
+
+
+@contextlib.contextmanager
+def cuda_rules(on):
+    """CUDA's rules (above) for what runs inside, where `on`."""
+    if not on:
+        yield
+        return
+    # functions, not a torch-function mode: autograd runs a recompute's re-run in backward without one
+    saved = fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention
+    fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention = (lambda t: True), _dropout, _attention
+    try:
+        with _CudaDtypes():
+            yield
+    finally:
+        fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention = saved
+
+
+@contextlib.contextmanager
+def fake_tensors():
+    """Everything made inside is a fake tensor. Two steps of torch's need a real tensor: Module.to swaps
+    each parameter for its cast copy (torch.utils.swap_tensors), which refuses a tensor the fake mode's
+    memo holds a weak reference to (pytorch/pytorch#148977): the memo is forgotten first; and a device
+    mesh reads its rank numbers (.tolist()): fsdp.py's is made of real tensors."""
+    mode = FakeTensorMode()
+    swap, mesh = torch.utils.swap_tensors, getattr(fsdp, "init_device_mesh", None)
+
+    def swap_unmemoized(t1, t2):
+        mode.fake_tensor_converter.meta_converter.tensor_memo.clear()
+        swap(t1, t2)
+
+    def real_mesh(*args, **kwargs):
+        with unset_fake_temporarily():
+            return mesh(*args, **kwargs)
+    torch.utils.swap_tensors, fsdp.init_device_mesh = swap_unmemoized, real_mesh
+    try:
+        with mode:
+            yield mode
+    finally:
+        torch.utils.swap_tensors, fsdp.init_device_mesh = swap, mesh
+
+
+@contextlib.contextmanager
+def fake_ranks(world, rank):
+    """A fake process group of `world` ranks in which this process is rank `rank` (nothing for one)."""
+    if world == 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise RuntimeError("a trace over several ranks needs a process with no process group of its own")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def marks(model, tracker):
+    """Tell the tracker which block runs: ("forward", i) as block i's forward begins (in backward too:
+    a recompute's re-run), ("backward", i) as its backward begins (a hook on its output's gradient)."""
+    def set_mark(where):
+        tracker.where = where
+
+    def hooked(module, args, output, i):
+        if torch.is_tensor(output) and output.requires_grad:
+            output.register_hook(lambda grad: set_mark(("backward", i)))
+    handles = [h for i, block in enumerate(model.h)
+               for h in (block.register_forward_pre_hook(lambda module, args, i=i: set_mark(("forward", i))),
+                         block.register_forward_hook(lambda module, args, output, i=i: hooked(module, args, output, i)))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+_FORCED = []  # rules_forced(): a GPU's step traced on fake CPU tensors with CUDA's rules, where CUDA is here
+
+
+def emulated(cfg):
+    """Whether cfg's step is a GPU's traced on CPU tensors: CUDA's rules stand in for its kernels where torch has
+    no CUDA (or where `rules_forced` asks, to check the rules against a GPU's own: tools/plan_check.py)."""
+    return cfg.device == "cuda" and (_FORCED or not torch.cuda.is_available())
+
+
+@contextlib.contextmanager
+def rules_forced():
+    _FORCED.append(True)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+def _model_code():
+    """What model.py holds now, its classes' methods too (a learner's edit, a test's): traces are kept per version."""
+    return tuple(id(v) for v in vars(model).values()) + \
+        tuple(id(f) for v in vars(model).values() if isinstance(v, type) for f in vars(v).values())
+
+
+_TRACED = {}
+
+
+def step(cfg, world=1, rank=0, micro_steps=1, planned=False):
+    """measure.measure's dict for cfg's steady-state step on rank `rank` of `world`, traced: build.build's
+    run on fake tensors, AdamW's states made (`warm`), then one step of `micro_steps` micro-batches counted.
+    Added: "calls" (the collectives it issued, ledger/comm.Count), "kinds" (memory_ledger.module_kinds),
+    "named" (each parameter's elements, dimensions, module kind, whether row-parallel), "params" (P, tensors),
+    "host" (bytes a GPU keeps in host memory: taken out where CUDA's rules apply). planned: the planner's
+    trace: its timeline ("points") and FLOPs ("flops", flops.Counted), up to where the optimizer's step
+    begins (but FSDP's, whole). A learner's model that fails raises as it is."""
+    return _cached("step", cfg, world, rank, micro_steps, planned)
+
+
+def _key(kind, cfg, *args):
+    return kind, repr(cfg), *args, emulated(cfg), _model_code()
+
+
+def _cached(kind, cfg, *args):
+    key = _key(kind, cfg, *args)
+    if key not in _TRACED:
+        if len(_TRACED) > 1024:
+            _TRACED.clear()
+        _TRACED[key] = KINDS[kind](cfg, *args)
+    return _TRACED[key]
+
+
+def prefetch(requests, workers):
+    """Trace what `requests` [(kind, cfg, *args) of `_cached`] ask, `workers` processes at once, into the cache.
+    Forked: each inherits model.py as this process holds it. What fails there is left to be traced (and to
+    raise) here, in the order it is asked."""
+    todo = {}
+    for request in requests:
+        if _key(*request) not in _TRACED:
+            todo.setdefault(_key(*request), request)
+    if workers < 2 or len(todo) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return
+    with multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        for key, out in zip(todo, pool.imap(_traced_or_none, todo.values())):
+            if out is not None:
+                _TRACED[key] = out
+
+
+def _traced_or_none(request):
+    try:
+        return KINDS[request[0]](*request[1:])
+    except Exception:  # noqa: BLE001  (traced again where it is asked, and raised there)
+        return None
+
+
+def warm(model_, parts, batch, world):
+    """One step before the counted one, so that AdamW's states exist: AdamW's alone on the master weights
+    (nothing else of a step leaves state behind), but under FSDP, whose first forward makes its own (the
+    whole step then, where a step is counted after)."""
+    if hasattr(model_, "no_sync") and batch is not None:  # FSDP's model (fsdp.apply_fsdp), a step to count
+        accumulate.accumulation_step(model_, parts, [batch])
+        return
+    opt = parts.optimizer
+    for m in opt.master_params:
+        m.grad = torch.zeros_like(m)
+    opt.torch_optimizer.step()
+    opt.zero_grad()
+
+
+def optimizer_step(cfg, world=1, rank=0):
+    """Rank `rank`'s optimizer step alone, traced at cfg's full depth (ZeRO's slices make each depth's
+    unlike): the run built on fake tensors, its gradients made as backward leaves them (a .grad like each
+    parameter; with FP32 sums, those), one step (AdamW's states appear), then the next counted. Returns
+    dict(static: its states, buffers and FP32 sums; start: the bytes alive as the optimizer begins;
+    points: the step's timeline; calls: its collectives; buffers: the model's, which attn changes)."""
+    return _cached("optimizer step", optimizer_config(cfg), world, rank)
+
+
+def optimizer_config(cfg):
+    """cfg as the optimizer's step sees it: nothing of these reaches it (attn: the masks, which are buffers)."""
+    return replace(cfg, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", dropout=0.0, batch_size=1, attn="sdpa",
+                   compile=False)
+
+
+def _optimizer_step(cfg, world, rank):
+    device = torch.device("cuda" if cfg.device == "cuda" and not emulated(cfg) else "cpu")
+    with fake_ranks(world, rank), fake_tensors(), cuda_rules(emulated(cfg)):
+        model_, parts = build.build(cfg, device)
+        opt = parts.optimizer
+
+        def gradients():
+            if parts.grad_buffers is None:  # (the FP32 sums are the step's gradients: .grad went each micro-step)
+                for p in opt.model_params:
+                    p.grad = torch.empty_like(p)
+            return [p.grad for p in opt.model_params if p.grad is not None]
+        warm(model_, parts, None, world)  # AdamW's states exist from here
+        tracker, found = measure.LiveTensors(device, timeline=True), {}
+        static = measure.resident(model_, parts) + (parts.grad_buffers or [])
+        opt_step = opt.step
+
+        def step(*args, **kwargs):  # read where the optimizer begins, as measure.phases does
+            tracker.start_phase("step")
+            found["start"] = tracker.read()
+            return opt_step(*args, **kwargs)
+        opt.step = step
+        try:
+            with comm.Count() as count, tracker:
+                tracker.adopt(static + gradients())  # (no reference kept here: ZeRO-2 lets .grad go)
+                accumulate.optimizer_step(parts, across_ranks=world > 1)
+        finally:
+            del opt.step
+        held, buffers, (host, host_n, _) = _held(cfg, model_, parts, device)
+        return dict(held=held, buffers=buffers, start=found["start"] - host, calls=count.calls,
+                    points=[(n - host, storages - host_n, large) for (_, phase, _), _, n, storages, large
+                            in tracker.points if phase == "step"])
+
+
+def _held(cfg, model_, parts, device):
+    """(bytes, storages, storages over 1 MiB) of what the step holds all along but the buffers (its states, FP32
+    sums), of the buffers, and of what a GPU keeps in host memory (AdamW's per-tensor counts: CUDA's rules)."""
+    per_tensor = precision.OPTIMIZERS[cfg.optimizer].per_tensor
+    host = [v for state in parts.optimizer.torch_optimizer.state.values() for name, v in state.items()
+            if name in per_tensor] if emulated(cfg) else []
+    buffers = list(model_.buffers())
+    left = measure.storage_ids(host + buffers)
+    held = [t for t in measure.resident(model_, parts) + (parts.grad_buffers or []) if measure.storage_key(t) not in left]
+    return tuple(_counts(tensors, device) for tensors in (held, buffers, host))
+
+
+def _counts(tensors, device):
+    sizes = {measure.storage_key(t): measure.local(t).untyped_storage().nbytes() for t in tensors
+             if t.device.type == device.type}
+    return sum(sizes.values()), len(sizes), sum(n > measure.SMALL_SIZE for n in sizes.values())
+
+
+def _trace(cfg, world, rank, micro_steps, planned):
+    device = torch.device("cuda" if cfg.device == "cuda" and not emulated(cfg) else "cpu")
+    with fake_ranks(world, rank), fake_tensors(), cuda_rules(emulated(cfg)):
+        model_, parts = build.build(cfg, device)
+        batch = measure.random_batch(cfg, device)
+        if not planned or cfg.shard == "fsdp":  # (the planner's stop before the step: Peaks sets the states)
+            warm(model_, parts, batch, world)  # AdamW's states exist from here: the steady state
+        with comm.Count() as count, flops.Counted() if planned else contextlib.nullcontext() as counted:
+            out = measure.measure(model_, parts, batch, device, micro_steps, timeline=marks if planned else None,
+                                  until_step=planned and cfg.shard != "fsdp")
+        if planned:  # the planner's: its timeline and figures (it keeps a trace for each of hundreds of configs)
+            out.pop("saved_tensors")
+        params = list(model_.parameters())  # (a DTensor's numel is the whole parameter's)
+        owners = {name: module for path, module in model_.named_modules()
+                  for name in [f"{path}.{n}" if path else n for n, _ in module.named_parameters(recurse=False)]}
+        out["named"] = [(name, p.numel(), p.dim(), memory_ledger.module_kinds(owners[name])[""],
+                         getattr(owners[name], "residual_projection", False)) for name, p in model_.named_parameters()]
+        out["row_parallel"] = {path for path, m in model_.named_modules() if getattr(m, "residual_projection", False)}
+        out.update(calls=count.calls, flops=counted.total if planned else None,
+                   fp8_flops=counted.by_op.get("_scaled_mm", 0) if planned else None,
+                   sent=comm.volume(count.calls), gathered=comm.volume([c for c in count.calls if "gather" in c[0]])
+                   // micro_steps, kinds=memory_ledger.module_kinds(model_),
+                   params=(sum(p.numel() for p in params), len(params)), host=0)
+        out["held"], out["buffer_counts"], (host, host_n, _) = _held(cfg, model_, parts, device)
+        if host:  # AdamW's step counts are host memory on a GPU: static, out of every reading
+            out.update(host=host, optimizer=out["optimizer"] - host, peak=out["peak"] - host,
+                       points=[(where, op, n - host, storages - host_n, large)
+                               for where, op, n, storages, large in out["points"] or []],
+                       phase={k: v - host for k, v in out["phase"].items()})
+    if world > 1 and cfg.shard == "none":  # DDP: what its reducer holds and sends, beyond the unwrapped model
+        out["ddp_buckets"] = out["parameters"]  # a copy of every gradient, in the parameters' dtype
+        if parts.grad_buffers is None:  # with FP32 sums every micro-step is no_sync: accumulate.py all-reduces them
+            out["calls"] = out["calls"] + [("all_reduce", out["parameters"], out["params"][0])]
+    return out
+
+
+KINDS = {"step": _trace, "optimizer step": _optimizer_step}
