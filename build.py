@@ -1,5 +1,4 @@
-"""Building a run: the precision recipe, the model, the recompute policy, the sharding and the optimizer,
-each decided once from the config.
+"""Building a run: recipe, model, recompute policy, sharding and optimizer, each decided once.
 
 Chapter: where sections 1-4 meet before the first step. Read first: `build` (every mechanism put
 together, in the order that matters: cast, recompute, compile, shard, optimizer), then `make_optimizer`

@@ -132,7 +132,7 @@ def check_keys(obj):
 def validate(cfg):
     """Raise UsageError for a config that cannot run. Everything that needs no machine is here,
     but the recompute policy's own rules, which its class holds (checkpoint.policy;
-    train.parse_args asks both)."""
+    guards/cli.parse_args asks both)."""
     check_keys(cfg)
     if not cfg.out_dir.strip():
         raise UsageError("--out_dir must name a folder (empty would write into the current folder)")

@@ -41,7 +41,7 @@ TORCH_FLOOR = (2, 4)
 
 
 def torch_floor_error(version=None):
-    """Why this torch is older than TORCH_FLOOR, or None; train.run asks it before anything else."""
+    """Why this torch is older than TORCH_FLOOR, or None; guards/cli.run asks it before anything else."""
     version = version or torch.__version__
     found = re.match(r"(\d+)\.(\d+)", version)
     if found is None or tuple(map(int, found.groups())) >= TORCH_FLOOR:
@@ -142,7 +142,7 @@ def resolve_accum(cfg, world_size):
         raise UsageError(f"{source} micro-steps per optimizer step: past 2^24 = {MAX_ACCUM:,} a micro-step's "
                          f"gradient (1/K of the sum) is below half an FP32 ulp of the sum and adds nothing; "
                          f"use a larger --batch_size or fewer tokens per step")
-    # held per optimizer step: accumulate.loss_weights' two lists (16 bytes a micro-step) and, for
+    # held per optimizer step: accumulate.accumulation_step's two lists of weights (16 bytes a micro-step) and, for
     # loss_norm=tokens, every micro-batch (x and y, int64) at once; otherwise they are drawn as used
     held = accum * (16 + (16 * cfg.batch_size * cfg.block_size + 600 if cfg.loss_norm == "tokens" else 0))
     if held > host_memory_available() // 2:

@@ -20,8 +20,8 @@ import checkpoint
 
 
 def local(t):
-    """What this rank holds of `t`: a DTensor's (fsdp.py's) local shard; its own storage is the whole's size."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    """This rank's part of `t`: a DTensor's local shard (its attribute: `to_local()` is an autograd op)."""
+    return getattr(t, "_local_tensor", t)
 
 
 def storage_key(t):

@@ -36,7 +36,8 @@ from ledger import comm, measure
 
 # DDP (SHARD=none over N ranks), beyond its unwrapped model: the reducer copies every gradient into
 # buckets it makes when it wraps the model (torch/csrc/distributed/c10d/reducer.cpp, initialize_buckets:
-# one more copy of the gradients, held all step) and all-reduces them once a step (2 x P elements)
+# one more copy of the gradients, held all step) and all-reduces them once a step (2 x P elements), stated
+# as one call of P elements: the reducer sizes its buckets itself (1 MiB first, then 25 MiB)
 DDP = "DDP's reducer: a bucket copy of every gradient, and their all-reduce (reducer.cpp)"
 
 CUDA = [  # what a GPU's kernels keep that a CPU's do not: (rule, source); all unverified until make gpu-check

@@ -54,9 +54,11 @@ def test_zero_bytes_per_rank_is_zeros_table_1():
             f"ZeRO stage {stage}: {ours:.2f} GB per rank, the paper prints {gb}"
 
 
-GRID = [c for c in itertools.product(["fp32", "bf16", "fp16", "fp8"], ["manual", "sdpa"], [0.0, 0.1],
+# fp32, a 16-bit precision (fp16 saves what bf16 saves) and fp8 x attention x dropout x policy on CPU; on CUDA's
+# rules (its kernels' own saved tensors) the policies that keep the attention core's tensors or drop them all
+GRID = [c for c in itertools.product(["fp32", "bf16", "fp8"], ["manual", "sdpa"], [0.0, 0.1],
                                      ["none", "full", "sqrt", "selective"], ["cpu", "cuda"])
-        if not (c[3] == "selective" and c[1] == "sdpa")]
+        if not (c[3] == "selective" and c[1] == "sdpa") and not (c[4] == "cuda" and c[3] == "sqrt")]
 
 
 @pytest.mark.parametrize("prec,attn,dropout,ckpt,device", GRID)

@@ -94,7 +94,7 @@ def test_gpu_check_summary_reads_the_ledger_and_bench_files(tmp_path):
     assert "123,456.0" in row and "41.0%" in row and "989 TFLOP/s (NVIDIA H200" in row
     (tmp_path / "memory_ledger.json").write_text(json.dumps(dict(
         device="cuda", ok=True, allocator="CUDA allocator's growth ...",
-        rows=[dict(component="activations", predicted=10, measured=10, ok=True, rule="exact")])))
+        rows=[dict(component="activations", traced=10, measured=10, ok=True, rule="exact")])))
     assert "| activations | 10 | 10 | ok (exact) |" in gpu_check.ledger_figures(tmp_path / "memory_ledger.json")
     assert gpu_check.bench_figures(tmp_path / "missing.jsonl") == ["no rows written (see the log)"]
     # the compile section's row holds two models: a line for each, the ratio on both

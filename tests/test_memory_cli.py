@@ -8,11 +8,24 @@ import model
 import train
 from config import RunError
 from guards.cli import parse_args
+from ledger import parallel as mp
 from ledger import trace
 from tools import ledger as tool
 from tools import ledger_report
 
 TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--seed=3"]
+READS_THE_WHAT_IF = ("test_cli_prints_table_and_writes_svg", "test_what_if_only_builds_nothing",
+                     "test_a_section_that_cannot_run_says_why_and_the_report_goes_on")
+
+
+@pytest.fixture(autouse=True)
+def what_if_stubbed(request, monkeypatch):
+    """The what-if traces two big shapes (~40 s here): the tests above read it for one (its traces shared), the
+    others a stub."""
+    if request.node.originalname in READS_THE_WHAT_IF:
+        monkeypatch.setattr(mp, "WHAT_IF", ("GPT-2 XL",))
+    else:
+        monkeypatch.setattr(tool, "what_if_text", lambda opts: ("the what-if: not run by this test", True))
 
 
 def test_cli_prints_table_and_writes_svg(tmp_path, capsys):
@@ -20,7 +33,7 @@ def test_cli_prints_table_and_writes_svg(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     for name in ("FP32 baseline", "BF16 mixed precision", "FSDP (ZeRO-3) over 4 (rank 0)", "tensor parallel", "CPU offload",
-                 "selective checkpointing", "pipeline p=2, first stage", "pipeline p=2, last stage", "GPT-2 XL", "7B",
+                 "selective checkpointing", "pipeline p=2, first stage", "pipeline p=2, last stage", "GPT-2 XL",
                  "published figure vs ours", "Table 2: TP t=8 + SP + selective", "ZeRO Table 1: P_os+g+p"):
         assert name in out, name
     assert "buffers" in out.splitlines()[3] and "rng_states" in out and "UNEXPLAINED" not in out
@@ -32,6 +45,10 @@ def test_cli_prints_table_and_writes_svg(tmp_path, capsys):
     keys = len(ledger_report.KEYS)
     assert len(rects) == keys + keys * n_rows  # legend + six stacked components per technique (KEYS)
     assert not list(tmp_path.glob("*.partial-memtrain-*"))
+    # make gpu-check's summary reads the comparison this run wrote (tools/gpu_check.py)
+    from tools import gpu_check
+    summary = gpu_check.ledger_figures(tmp_path / "memory_ledger.json")
+    assert summary[0] == "| component | traced | measured | check |" and "| peak |" in "\n".join(summary), summary
 
 
 def test_fp8_row_is_measured_here(tmp_path, capsys):
@@ -59,7 +76,6 @@ def test_help_says_how_to_print_the_what_if_alone(capsys):
 @pytest.mark.parametrize("component", ["activations", "peak"])
 def test_cli_exits_1_when_a_check_misses(tmp_path, monkeypatch, capsys, component):
     """One byte off, in the activations or the peak, is a miss on CPU: exit status 1, the component named."""
-    monkeypatch.setattr(tool, "what_if_text", lambda opts: ("the what-if: not run by this test", True))
     real = trace.step
     monkeypatch.setattr(trace, "step", lambda cfg, *args, **kwargs: {**real(cfg, *args, **kwargs),
                                                                      component: real(cfg, *args, **kwargs)[component] + 1})
@@ -110,7 +126,6 @@ def test_every_precisions_ledger_passes(ranks_measured, name, shape, precision, 
     """`make ledger` end to end, every section (the sharded rows' collectives included: FP8's amax
     all-reduce is in each rank's trace), exit status 0. The what-if is the same for every config
     (test_cli_prints_table_and_writes_svg runs it)."""
-    monkeypatch.setattr(tool, "what_if_text", lambda opts: ("the what-if: not run by this test", True))
     rc = tool.main(shape + [f"--precision={precision}", f"--out_dir={tmp_path}"])
     out, err = capsys.readouterr()
     missed = [line for line in out.splitlines() if any(word in line for word in ("MISS", "skipped", "DIFFERENT",
@@ -168,6 +183,17 @@ def test_a_model_the_trace_cannot_run_leaves_the_measurement(monkeypatch, tmp_pa
     assert lines[1].split()[:2] == ["component", "measured"] and lines[2].split()[0] == "parameters", out
     assert any(line.startswith("the trace (ledger/trace.py: model.py on fake tensors) failed:") and
                "test_memory_cli.py:" in line for line in lines), out
+
+
+def test_ddps_buckets_are_compared_by_their_sum_the_others_call_by_call():
+    # DDP's reducer splits the all-reduce the trace states as one call (1 MiB first, then 25 MiB buckets)
+    from tools.ledger_ranks import _sent
+    traced = [("all_reduce", 13_162_496, 3_290_624)]
+    bucketed = [("all_reduce", 2_104_320, 526_080), ("all_reduce", 11_058_176, 2_764_544)]
+    assert _sent(bucketed, "none") == _sent(traced, "none"), "DDP's two buckets against the trace's one all-reduce"
+    assert _sent(bucketed[:1], "none") != _sent(traced, "none"), "a bucket missing must be a miss"
+    assert _sent(bucketed, "zero1") != _sent(traced, "zero1"), "ZeRO's calls are its own: compared call by call"
+    assert _sent(bucketed[::-1], "zero1") == _sent(bucketed, "zero1"), "in any order"
 
 
 def test_the_ranks_say_their_own_failure_in_one_line():

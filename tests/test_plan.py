@@ -34,14 +34,13 @@ def traced_whole(cfg, world, micro_steps, b):
 DEEP = dict(n_layer=6, n_embd=32, n_head=2, block_size=64, vocab_size=256, device="cpu")  # more units than traced
 
 
-@pytest.mark.parametrize("over,world", [
-    (dict(precision="fp32"), 1), (dict(precision="bf16", ckpt="full", attn="sdpa"), 1),
-    (dict(precision="bf16", ckpt="selective", dropout=0.1), 1),
-    (dict(precision="fp16", ckpt="sqrt", ckpt_segment=2, n_layer=9), 1), (dict(precision="fp8"), 1),
-    (dict(precision="bf16", shard="none", fp32_grad_accum=True), 2), (dict(precision="fp32", shard="zero1"), 2),
-    (dict(precision="bf16", shard="zero2", bias=False), 3), (dict(precision="bf16", shard="fsdp", n_layer=7), 2),
-    (dict(precision="fp32", shard="fsdp", ckpt="full", n_layer=7), 2)])
-@pytest.mark.parametrize("micro_steps", [1, 2])
+@pytest.mark.parametrize("over,world,micro_steps", [  # one micro-step or two: one process, ZeRO and FSDP each meet both
+    (dict(precision="fp32"), 1, 1), (dict(precision="bf16", ckpt="full", attn="sdpa"), 1, 2),
+    (dict(precision="bf16", ckpt="selective", dropout=0.1), 1, 1),
+    (dict(precision="fp16", ckpt="sqrt", ckpt_segment=2, n_layer=9), 1, 1), (dict(precision="fp8"), 1, 2),
+    (dict(precision="bf16", shard="none", fp32_grad_accum=True), 2, 2), (dict(precision="fp32", shard="zero1"), 2, 1),
+    (dict(precision="bf16", shard="zero2", bias=False), 3, 2), (dict(precision="bf16", shard="fsdp", n_layer=7), 2, 1),
+    (dict(precision="fp32", shard="fsdp", ckpt="full", n_layer=7), 2, 2)])
 def test_the_extended_step_is_the_step_traced_whole(over, world, micro_steps):
     """What the plan relies on: traced at 2 and 3 units (4 and 5 under FSDP) and micro-batches 2 and 3, every
     point of the step extends to the full depth and any micro-batch exactly (b = 1 from traces at b = 1)."""

@@ -129,8 +129,8 @@ def ledger_figures(path):
     if not path.exists():
         return ["no comparison written (see the log)"]
     got = json.loads(path.read_text())
-    out = ["| component | predicted | measured | check |", "|---|---|---|---|"]
-    out += [f"| {r['component']} | {r['predicted']:,} | {r['measured']:,} | {'ok' if r['ok'] else 'MISS'} "
+    out = ["| component | traced | measured | check |", "|---|---|---|---|"]
+    out += [f"| {r['component']} | {r['traced']:,} | {r['measured']:,} | {'ok' if r['ok'] else 'MISS'} "
             f"({r['rule']}) |" for r in got["rows"]]
     return out + ["", got["allocator"]]
 
