@@ -170,6 +170,11 @@ TRAIN_CASES = [
     (["--resume"], "AdamW group 0 has betas='0.9, 0.95'", nested("optimizer", "adamw", "param_groups", 0, "betas",
                                                                  value="0.9, 0.95")),
     (["--resume"], "AdamW group 1 has lr='fast'", nested("optimizer", "adamw", "param_groups", 1, "lr", value="fast")),
+    # every hyperparameter of a group, as the run builds its optimizer: a negative eps, AMSGrad turned on
+    (["--resume"], "AdamW group 0 has eps=-1e-08, this run's is 1e-08",
+     nested("optimizer", "adamw", "param_groups", 0, "eps", value=-1e-8)),
+    (["--resume"], "AdamW group 1 has amsgrad=True, this run's is False",
+     nested("optimizer", "adamw", "param_groups", 1, "amsgrad", value=True)),
     (["--resume"], "step=tensor(-1.) is not a whole number in [0, 2]", moment(0, "step", torch.tensor(-1.0))),
     (["--resume"], "step=tensor(2.5000) is not a whole number", moment(0, "step", torch.tensor(2.5))),
     (["--resume"], "exp_avg of parameter 0 has shape (3,)", moment(0, "exp_avg", torch.zeros(3))),

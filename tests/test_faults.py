@@ -269,3 +269,19 @@ def test_a_rank_notices_its_launcher_is_gone(tmp_path):
                     f"the last snapshot written is kept" for r in (0, 1)], \
         f"not one line per rank saying its launcher is gone:\n{err[-3000:]}"
     assert "Traceback" not in err, f"a traceback:\n{err[-3000:]}"
+
+
+def test_torchrun_killed_mid_run_ends_every_rank_within_seconds(tmp_path):
+    """kill -9 of torchrun while its ranks train: every rank ends within a few seconds, even the one that
+    waits in a collective for the other, and the last snapshot is kept."""
+    proc, ranks = torchrun_started(tmp_path)
+    os.kill(proc.pid, signal.SIGKILL)
+    started = time.monotonic()
+    while any(os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().rpartition(")")[2][:3]
+              for pid in ranks.values()) and time.monotonic() - started < 60:
+        time.sleep(0.1)
+    alive = {r: pid for r, pid in ranks.items() if os.path.exists(f"/proc/{pid}")
+             and "Z" not in open(f"/proc/{pid}/stat").read().rpartition(")")[2][:3]}
+    took = time.monotonic() - started
+    err = stopped_within(proc, 10)
+    assert not alive and took < 5, f"ranks {alive} still ran {took:.1f} s after torchrun's kill -9:\n{err[-3000:]}"
