@@ -15,6 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+try:  # FSDP2's module, public since torch 2.6 (fsdp.py: an older torch runs every SHARD but fsdp)
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:
+    FSDPModule = ()
+
 import fp8
 import precision
 from config import LOSS_NORMS
@@ -44,10 +49,12 @@ def accumulation_step(model, parts, micro_batches, loss_norm="mean", use_no_sync
         weights, log_weights = token_weights(micro_batches, loss_norm, across_ranks)
     total_loss = 0.0
     for i, (x, y) in enumerate(micro_batches):
-        # the sync rule: all-reduce once, in the last micro-step's backward (FP32 sums: in optimizer_step)
+        # the sync rule: reduce once, in the last micro-step's backward (FP32 sums: in optimizer_step). DDP's
+        # no_sync covers the forward too (DDP arms its all-reduce there); FSDP2's is a flag; ZeRO reduces in its step
         sync = (i == K - 1 or not use_no_sync) and parts.grad_buffers is None
-        # no_sync covers the forward too: DDP arms its all-reduce at forward time (ZeRO has no wrapper)
-        with model.no_sync() if not sync and hasattr(model, "no_sync") else nullcontext():
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(sync)
+        with model.no_sync() if ddp and not sync else nullcontext():
             with parts.recipe.forward_context(model, micro_step=i):  # FP8: W quantized at micro-step 0 only
                 loss = model(x, y)[1]
             parts.scaler.backward(loss * weights[i])  # the gradients add up in .grad
@@ -64,8 +71,7 @@ def optimizer_step(parts, ddp=False, across_ranks=False):
     if parts.grad_buffers is not None and ddp:
         all_reduce_mean(parts.grad_buffers)  # DDP reduces only .grad: the FP32 sums go here
     fp8.release_weight_copies(parts.fp8_layers)  # the weights are about to change
-    stepped, grad_norm = parts.optimizer.step(parts.grad_buffers, parts.scaler.loss_scale)
-    parts.scaler.update(found_inf=not stepped)
+    stepped, grad_norm = parts.scaler.step(parts.optimizer, parts.grad_buffers)  # skipped on inf/NaN
     fp8.fold_amax(parts.fp8_layers, across_ranks)  # the amax history moves once per optimizer step
     parts.optimizer.zero_grad()
     if parts.grad_buffers is not None:

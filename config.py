@@ -82,6 +82,9 @@ class Config:
     precision: str = key("bf16", "parameter/activation dtype; fp8 = bf16 with FP8 Linear matmuls", PRECISIONS)
     loss_scale: str = key("auto", "auto (dynamic for fp16, else none) | dynamic | none | a number")
     loss_scale_hysteresis: int = key(1, "overflows tolerated before the dynamic scale backs off", at_least=1)
+    loss_scale_growth: float = key(2.0, "a dynamic scale is multiplied by this after loss_scale_interval clean steps")
+    loss_scale_backoff: float = key(0.5, "a dynamic scale is multiplied by this on an overflow")
+    loss_scale_interval: int = key(2000, "clean steps in a row that grow a dynamic scale", at_least=1)
     fp8_backend: str = key("native", "native (ours, fp8.py) or te (Transformer Engine: backends/fp8_te.py)",
                            FP8_BACKENDS)
     fp8_recipe: str = key("delayed", "scale from an amax history (delayed) or this tensor's amax (current)",
@@ -160,6 +163,11 @@ def validate(cfg):
         if not (1 / FP32_MAX <= value <= FP32_MAX):
             raise UsageError(f"a static loss_scale must be a positive number within FP32's range, "
                              f"got {cfg.loss_scale!r}")
+    # a scale that grows must grow, and one that backs off must shrink (and stay above 0)
+    if not cfg.loss_scale_growth > 1.0:
+        raise UsageError(f"--loss_scale_growth must be > 1, got {cfg.loss_scale_growth}")
+    if not 0.0 < cfg.loss_scale_backoff < 1.0:
+        raise UsageError(f"--loss_scale_backoff must be in (0, 1), got {cfg.loss_scale_backoff}")
     check_meaningful(cfg)
     if cfg.shard == "fsdp" and cfg.precision == "fp8":
         raise UsageError("--shard=fsdp does not run precision=fp8: FP8 Linears keep whole FP8 copies and an amax "
@@ -181,8 +189,9 @@ def check_meaningful(cfg):
         if changed:
             raise UsageError(f"--{changed[0]} applies to precision=fp8 only, this run has precision={cfg.precision}")
     dynamic = cfg.loss_scale == "dynamic" or (cfg.loss_scale == "auto" and cfg.precision == "fp16")
-    if cfg.loss_scale_hysteresis != 1 and not dynamic:
-        raise UsageError("--loss_scale_hysteresis applies to dynamic loss scaling (fp16, or loss_scale=dynamic)")
+    for name in ("loss_scale_hysteresis", "loss_scale_growth", "loss_scale_backoff", "loss_scale_interval"):
+        if getattr(cfg, name) != getattr(defaults, name) and not dynamic:
+            raise UsageError(f"--{name} applies to dynamic loss scaling (fp16, or loss_scale=dynamic)")
     if cfg.fp32_grad_accum and cfg.precision == "fp32":
         raise UsageError("--fp32_grad_accum sums 16-bit gradients in FP32; with precision=fp32 they already are")
     if cfg.ckpt_impl != "hooks" and cfg.ckpt == "none":

@@ -10,9 +10,6 @@ Read first: `apply_fsdp` (one fully_shard per block and one for the rest), then 
     its gradient reduce-scattered in FP32, and AdamW steps the shards in place.
 Its costs, and why FP8 and fp32_grad_accum are refused: docs/zero.md; snapshots: guards/sharded_snapshot.py.
 """
-from contextlib import contextmanager
-from functools import partial
-
 import torch
 import torch.distributed as dist
 
@@ -43,20 +40,10 @@ def apply_fsdp(model, recipe):
     for block in model.h:
         fully_shard(block, mesh=mesh, mp_policy=mixed)
     fully_shard(model, mesh=mesh, mp_policy=mixed)
-    model.no_sync = partial(no_sync, model)  # ddp's name: accumulate.py asks any model for no_sync()
     sharded_snapshot.whole_model_state(model, recipe.param_dtype)  # snapshot.py sees whole tensors, as ddp's
     return model
 
 
-@contextmanager
-def no_sync(model):
-    """DDP's no_sync() for a model apply_fsdp sharded: the backwards inside it reduce-scatter nothing
-    (FSDP sums their gradients, unreduced, in FP32); the first backward after it reduce-scatters them all."""
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 class ShardOptimizer(precision.MasterWeightOptimizer):

@@ -4,9 +4,9 @@ Chapter section 1. Read first: `MasterWeightOptimizer` (the BF16 workflow: forwa
 16-bit parameters, AdamW on an FP32 master copy), then `LossScaler` (why FP16 needs it and BF16 does
 not: `make underflow` measures it), then `recipe` (everything PRECISION decides, decided once).
 
-One optimizer step: the 16-bit gradients are cast up (and unscaled) into FP32; one reduction gives
-the norm for clipping and the inf/NaN check; AdamW steps the FP32 master copy; the master copy is
-rounded back into the 16-bit parameters. Why the master copy: an update smaller than half a 16-bit
+One optimizer step: the 16-bit gradients are cast up into FP32 and the loss scaler unscales them; one
+reduction gives the norm for clipping and the scaler's inf/NaN check; AdamW steps the FP32 master copy;
+the master copy is rounded back into the 16-bit parameters; the scaler backs off or grows. Why the master copy: an update smaller than half a 16-bit
 ulp of the weight rounds to nothing when added in 16 bits; in FP32 it adds up until it shows.
 FP8 (fp8.py) keeps BF16 parameters and this workflow; only the Linears' matmuls run in FP8.
 """
@@ -66,18 +66,18 @@ class MasterWeightOptimizer:
         for g in self.torch_optimizer.param_groups:
             g["lr"] = lr
 
-    def step(self, grads=None, loss_scale=1.0):
-        """Unscale, check for inf/NaN, clip, step the master copy, copy down. grads: one per model
-        parameter (None in it: no gradient) or None (their .grad). Returns (stepped: False if inf/NaN, grad_norm)."""
+    def step(self, grads=None, scaler=None):
+        """Unscale and check for inf/NaN (the loss scaler's), clip, step the master copy, copy down. grads: one
+        per model parameter (None in it: no gradient) or None (their .grad). Returns (stepped, grad_norm)."""
+        scaler = scaler or LossScaler("none")
         grads = [p.grad for p in self.model_params] if grads is None else grads
         # a 16-bit gradient is cast up to its fp32 master's dtype (a copy); an fp32 one is used as is
         grads = [g.to(m.dtype) if g is not None else torch.zeros_like(m) for g, m in zip(grads, self.master_params)]
-        if loss_scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / loss_scale)
-        # one reduction, one host sync: the norm is inf/NaN exactly when some element is. A traced step
-        # assumes a finite norm under the clip: it steps (clipping would scale in place: no bytes either way)
+        scaler.unscale_(grads)
+        # one reduction, one host sync, for the clip and the check. A traced step assumes a finite norm under
+        # the clip: it steps (clipping would scale in place: no bytes either way)
         grad_norm = host_value(self.global_norm(grads), assumed=0.0)
-        if not math.isfinite(grad_norm):
+        if scaler.found_inf(grad_norm):
             return False, grad_norm
         if self.grad_clip > 0 and grad_norm > self.grad_clip:
             torch._foreach_mul_(grads, self.grad_clip / (grad_norm + 1e-6))
@@ -146,20 +146,16 @@ def optimizer_spec(cfg):
 # ---------------------------------------------------------------- loss scaling
 
 class LossScaler:
-    """Multiply the loss by `loss_scale` before backward, so small FP16 gradients stay above FP16's
-    smallest normal (6.1e-5; below 6e-8 they are 0), and divide it out in FP32 (MasterWeightOptimizer.step).
-    "dynamic": start at 2^16; a step whose gradients hold inf/NaN is skipped and halves the scale;
-    `growth_interval` clean steps in a row double it (torch.amp.GradScaler's trajectory). `hysteresis`
-    > 1 (Megatron-LM's) tolerates that many overflows before backing off, restored by a growth.
-    "static": a fixed scale. "none": 1.
-    """
+    """Multiply the loss by `loss_scale` before backward, so small FP16 gradients stay above FP16's smallest
+    normal (6.1e-5; below 6e-8 they are 0), and divide it out in FP32; skip a step whose gradients hold inf/NaN.
+    "dynamic": from 2^16, an overflow multiplies the scale by `backoff_factor`, `growth_interval` clean steps in a
+    row by `growth_factor` (0.5 and 2: torch.amp.GradScaler's); `hysteresis` > 1 (Megatron-LM's) tolerates that
+    many overflows before backing off, restored by a growth. "static": a fixed scale. "none": 1."""
 
     def __init__(self, mode="none", init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, hysteresis=1):
         if mode not in ("dynamic", "static", "none"):
             raise ValueError(f"loss scale mode must be dynamic|static|none, got {mode!r}")
-        if hysteresis < 1:
-            raise ValueError(f"loss_scale_hysteresis must be >= 1, got {hysteresis}")
         self.mode = mode
         self.loss_scale = float(init_scale) if mode != "none" else 1.0
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
@@ -172,10 +168,22 @@ class LossScaler:
         """Backward of loss * loss_scale: every gradient comes out multiplied by the scale."""
         (loss * self.loss_scale).backward() if self.loss_scale != 1.0 else loss.backward()
 
+    def step(self, optimizer, grads=None):
+        """The optimizer's step (which calls the two below), then this step's back-off or growth."""
+        stepped, grad_norm = optimizer.step(grads, self)
+        self.update(found_inf=not stepped)
+        return stepped, grad_norm
+
+    def unscale_(self, grads):  # the FP32 gradients, in place
+        if self.loss_scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+
+    def found_inf(self, grad_norm):  # the norm of all gradients is inf/NaN exactly when some element is
+        return not math.isfinite(grad_norm)
+
     def update(self, found_inf):
         """After a step: count a skip and back off on overflow; grow after a run of clean steps."""
-        if found_inf:
-            self.skipped_steps += 1
+        self.skipped_steps += bool(found_inf)
         if self.mode != "dynamic":
             return
         if found_inf:
@@ -198,6 +206,30 @@ class LossScaler:
         self.__dict__.update(state)
 
 
+def overflows_explained(scaler, scale):
+    """Skipped steps in a row `scaler` explains from `scale` (guards/clean_end.Divergence): hysteresis-1
+    tolerated, then one back-off each until the scale is 1 (a static scale or none: alike, no hysteresis)."""
+    hysteresis = scaler.hysteresis if scaler.mode == "dynamic" else 1
+    return hysteresis - 1 + max(0, math.ceil(math.log(scale) / -math.log(scaler.backoff_factor)))
+
+
+def not_written_by(scaler, state):
+    """Why a saved state (a snapshot's, its numbers checked) is not one `scaler` writes, or None."""
+    scale, clean = state["loss_scale"], state["clean_steps"]
+    if scaler.mode != "dynamic" and (scale != scaler.loss_scale or clean != 0):
+        return f"loss_scale={scale!r}, clean_steps={clean}: loss scaling {scaler.mode} writes {scaler.loss_scale:g} and 0"
+    if scaler.mode == "dynamic" and clean >= scaler.growth_interval:
+        return f"clean_steps={clean}: {scaler.growth_interval} in a row grow the scale and start again at 0"
+    # factors that are powers of two (2 and 0.5) keep 2^16 a power of two; others reach other numbers
+    powers = all(math.frexp(f)[0] == 0.5 for f in (scaler.growth_factor, scaler.backoff_factor, scaler.loss_scale))
+    if scaler.mode == "dynamic" and powers and math.frexp(scale)[0] != 0.5:
+        return f"loss_scale={scale!r} is no power of two, and {scaler.loss_scale:g} grown by {scaler.growth_factor:g} " \
+               f"and backed off by {scaler.backoff_factor:g} is always one"
+    if state["overflows_left"] > scaler.hysteresis:
+        return f"it tolerates {state['overflows_left']} more overflows, a hysteresis of {scaler.hysteresis} at most"
+    return None
+
+
 # ---------------------------------------------------------------- the recipe: PRECISION, decided once
 
 PARAM_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -217,7 +249,7 @@ def recipe(cfg):
     dtype = PARAM_DTYPE[cfg.precision]
     return Recipe(name=cfg.precision, param_dtype=dtype, master_weights=dtype != torch.float32,
                   loss_scaling=scaling, static_scale=static_scale, hysteresis=cfg.loss_scale_hysteresis,
-                  fp8=settings)
+                  growth=(cfg.loss_scale_growth, cfg.loss_scale_backoff, cfg.loss_scale_interval), fp8=settings)
 
 
 @dataclass(frozen=True)
@@ -230,6 +262,7 @@ class Recipe:
     loss_scaling: str  # none|dynamic|static
     static_scale: float  # the scale of loss_scaling=static
     hysteresis: int  # overflows tolerated before a dynamic scale backs off
+    growth: tuple = (2.0, 0.5, 2000)  # a dynamic scale's growth factor, back-off factor, growth interval
     fp8: FP8Settings = None  # the FP8 Linears' settings, or None: plain Linears
 
     @property
@@ -276,7 +309,9 @@ class Recipe:
         return self.fp8 is None or self.fp8.backend != "te"
 
     def loss_scaler(self):
-        return LossScaler(self.loss_scaling, init_scale=self.static_scale, hysteresis=self.hysteresis)
+        growth_factor, backoff_factor, growth_interval = self.growth
+        return LossScaler(self.loss_scaling, init_scale=self.static_scale, growth_factor=growth_factor,
+                          backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=self.hysteresis)
 
     def check_device(self, device):
         """Raise ValueError where this recipe cannot run on `device` (FP8 needs its matmul)."""

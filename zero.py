@@ -114,7 +114,7 @@ class ShardedOptimizer:
     def set_lr(self, lr):
         self.slice.set_lr(lr)
 
-    def step(self, grads=None, loss_scale=1.0):
+    def step(self, grads=None, scaler=None):
         """Reduce-scatter, step my slice, all-gather. grads: accumulate.py's FP32 sums, or None: the parameters'
         .grad (ZeRO-2 releases them once in the flat copy). Returns (stepped, grad_norm), alike on every rank."""
         own = grads is None
@@ -129,7 +129,7 @@ class ShardedOptimizer:
         self.grad_slice = flat_grad.new_empty(self.shards.size)
         dist.reduce_scatter_tensor(self.grad_slice, flat_grad)
         del flat_grad
-        stepped, grad_norm = self.slice.step([piece.of_slice(self.grad_slice) for piece in self.pieces], loss_scale)
+        stepped, grad_norm = self.slice.step([piece.of_slice(self.grad_slice) for piece in self.pieces], scaler)
         if stepped:  # the norm is global: every rank gathers, or none
             dist.all_gather_into_tensor(self.flat, self.my_slice)
         return stepped, grad_norm

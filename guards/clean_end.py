@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import precision
 from config import RunError, UsageError
 from guards.interrupts import SIGNALS, Interrupted, launcher_gone
 from guards.compiling import eagerly
@@ -37,9 +38,10 @@ class Divergence:
     """Watches each step's loss and whether it stepped (host values the loop has anyway: no sync).
 
     The rule. A non-finite loss (on any rank) is divergence: no loss scale makes a forward finite.
-    A skipped step (inf/NaN gradients) is the scaler's business while the scaler can explain it:
-    a dynamic scaler tolerates hysteresis-1 overflows, then halves the scale per overflow, so
-    from scale S it is down to 1 after hysteresis-1 + ceil(log2 S) skips in a row. One skip more
+    A skipped step (inf/NaN gradients) is the scaler's business while the scaler can explain it
+    (precision.overflows_explained): a dynamic scaler tolerates hysteresis-1 overflows,
+    then backs off per overflow (halves, by default), so from scale S it is down to 1 after
+    hysteresis-1 + ceil(log2 S) skips in a row. One skip more
     overflowed at a scale <= 1: the gradients are not finite even unscaled, and lowering the
     scale further cannot help. A static scale (or none, scale 1) never moves; its run of skips
     gets the same allowance, counted from that scale (none: 0, the first skip stops: a bf16 or
@@ -54,8 +56,7 @@ class Divergence:
         self.too_many = None  # (step, skips, scale) where a run of skips passed the allowance
 
     def allowance(self, scale):
-        hysteresis = self.recipe.hysteresis if self.recipe.loss_scaling == "dynamic" else 1
-        return hysteresis - 1 + max(0, math.ceil(math.log2(scale)))
+        return precision.overflows_explained(self.recipe.loss_scaler(), scale)
 
     def after_step(self, step, loss, stepped, scale):
         """step: the step just done (1-based); scale: the loss scale it ran with."""

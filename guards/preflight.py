@@ -121,11 +121,11 @@ def meta_model(cfg):
 
 
 def scaler_asked_anew(cfg, snap):
-    """True when this run's loss scaling (--loss_scale, --loss_scale_hysteresis) differs from the
+    """True when this run's loss scaling (--loss_scale and the dynamic scale's keys) differs from the
     snapshot's: the run's own scaler then starts fresh, as asked, instead of the saved one."""
     mine, saved = precision.recipe(cfg), precision.recipe(snapshot_fields.saved_config(snap))
-    return (mine.loss_scaling, mine.static_scale, mine.hysteresis) != \
-        (saved.loss_scaling, saved.static_scale, saved.hysteresis)
+    return (mine.loss_scaling, mine.static_scale, mine.hysteresis, mine.growth) != \
+        (saved.loss_scaling, saved.static_scale, saved.hysteresis, saved.growth)
 
 
 def resolve_accum(cfg, world_size):

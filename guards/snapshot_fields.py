@@ -83,21 +83,10 @@ def _dense(t):
 
 
 def _check_scaler(scaler, cfg, step, need):
-    """The loss scaler's state is one its config's scaler writes (precision.LossScaler): a static scale
-    (or none: 1) never moves nor counts clean steps; a dynamic one is 2^16 halved and doubled."""
-    fresh_scaler = precision.recipe(cfg).loss_scaler()
-    if fresh_scaler.mode == "dynamic":
-        need(math.frexp(scaler["loss_scale"])[0] == 0.5 and scaler["clean_steps"] < fresh_scaler.growth_interval,
-             f"the loss scaler's state is not what a dynamic scaler writes: loss_scale={scaler['loss_scale']!r} "
-             f"(a power of two), clean_steps={scaler['clean_steps']} (below {fresh_scaler.growth_interval})")
-    else:
-        need(scaler["loss_scale"] == fresh_scaler.loss_scale and scaler["clean_steps"] == 0,
-             f"the loss scaler's state is not what its config's loss scaling ({fresh_scaler.mode}) writes: "
-             f"loss_scale={scaler['loss_scale']!r}, clean_steps={scaler['clean_steps']} (it writes "
-             f"{fresh_scaler.loss_scale:g} and 0)")
-    need(scaler["overflows_left"] <= fresh_scaler.hysteresis,
-         f"the loss scaler tolerates {scaler['overflows_left']} more overflows, its config's hysteresis only "
-         f"{fresh_scaler.hysteresis}")
+    """The loss scaler's state is one its config's scaler writes, by the scaler's own rule
+    (precision.not_written_by)."""
+    why = precision.not_written_by(precision.recipe(cfg).loss_scaler(), scaler)
+    need(why is None, f"the loss scaler's state is not what its config's scaler writes: {why}")
     need(scaler["skipped_steps"] <= step,
          f"the loss scaler's skipped_steps={scaler['skipped_steps']} is more than the {step} steps taken")
 

@@ -226,7 +226,7 @@ def warm(model_, parts, batch, world):
     """One step before the counted one, so that AdamW's states exist: AdamW's alone on the master weights
     (nothing else of a step leaves state behind), but under FSDP, whose first forward makes its own (the
     whole step then, where a step is counted after)."""
-    if hasattr(model_, "no_sync") and batch is not None:  # FSDP's model (fsdp.apply_fsdp), a step to count
+    if isinstance(model_, accumulate.FSDPModule) and batch is not None:  # FSDP's model (fsdp.apply_fsdp), a step to count
         accumulate.accumulation_step(model_, parts, [batch])
         return
     opt = parts.optimizer

@@ -59,10 +59,10 @@ def record_grads(parts, sink):
     """Wrap the optimizer's step so the gradients it is about to use are copied into sink first."""
     step = parts.optimizer.step
 
-    def recording_step(grads=None, loss_scale=1.0):
+    def recording_step(grads=None, scaler=None):
         seen = grads if grads is not None else [p.grad for p in parts.optimizer.model_params]  # None: the .grad
         sink.append([g.detach().float().clone() for g in seen])
-        return step(grads, loss_scale)
+        return step(grads, scaler)
     parts.optimizer.step = recording_step
 
 

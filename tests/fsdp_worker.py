@@ -9,7 +9,7 @@ make_batches); each rank writes OUT/fsdp-rank<r>.pt, a dict per case:
              reduce-scatters and all-gathers each step issued;
   accum      reduce-scatters and all-gathers per optimizer step, with and without set_requires_gradient_sync
              on the early micro-steps, and the gradients, for the big-batch oracle;
-  no_sync    reduce-scatters of K-1 backwards inside model.no_sync() (fsdp.py's) and of one after it;
+  no_sync    reduce-scatters of K-1 backwards with FSDP2's gradient sync off (accumulate.py's rule) and of one after;
   overflow   FP16, an inf planted in rank 1's gradient shard at step 1: stepped, norm, scale;
   clip       the norm every rank used vs the norm of the gathered gradient;
   parity     FP32/BF16/FP16 losses and whole parameters per step, FSDP and DDP on the same batches;
@@ -69,11 +69,11 @@ def record_step(parts, sink):
     """Wrap the optimizer's step: the whole gradient it is about to use, and what it returned."""
     step = parts.optimizer.step
 
-    def recording(grads=None, loss_scale=1.0):
+    def recording(grads=None, scaler=None):
         seen = grads if grads is not None else [p.grad for p in parts.optimizer.model_params]
         # None: no gradient reached this parameter (the optimizer would step it with zeros)
-        grads_now = [None if g is None else whole(g).detach().float().clone() / loss_scale for g in seen]
-        out = step(grads, loss_scale)
+        grads_now = [None if g is None else whole(g).detach().float().clone() / scaler.loss_scale for g in seen]
+        out = step(grads, scaler)
         sink.append(dict(grads=grads_now, stepped=out[0], norm=out[1]))
         return out
     parts.optimizer.step = recording
@@ -132,9 +132,10 @@ def case_no_sync(rank, world):
     _, model, _ = build(rank)
     batches = rank_slice(make_batches(750, world * K, B, 16), rank, world, K)
     COUNTS.update(reduce_scatter=0, all_gather=0)
-    with model.no_sync():
-        for x, y in batches[:-1]:
-            model(x, y)[1].backward()
+    model.set_requires_gradient_sync(False)  # what accumulate.py sets on micro-steps 1..K-1
+    for x, y in batches[:-1]:
+        model(x, y)[1].backward()
+    model.set_requires_gradient_sync(True)
     inside = COUNTS["reduce_scatter"]
     x, y = batches[-1]
     model(x, y)[1].backward()
@@ -146,12 +147,12 @@ def case_overflow(rank, world):
     sink, planted = [], [False]
     step = parts.optimizer.step
 
-    def planting(grads=None, loss_scale=1.0):
+    def planting(grads=None, scaler=None):
         if not planted[0]:
             planted[0] = True
             if rank == 1:  # one element of rank 1's own shard: no other rank sees it in its .grad
                 parts.optimizer.model_params[0].grad.to_local().view(-1)[0] = float("inf")
-        out = step(grads, loss_scale)
+        out = step(grads, scaler)
         sink.append(dict(stepped=out[0], norm=out[1], scale=parts.scaler.loss_scale))
         return out
     parts.optimizer.step = planting

@@ -137,6 +137,10 @@ CASES = [
     (["--seed=99999999999999999999"], "--seed must be <=", None),
     (["--fp8_backend=te"], "applies to precision=fp8 only", None),
     (["--loss_scale_hysteresis=2"], "applies to dynamic loss scaling", None),
+    (["--loss_scale_growth=1.5"], "--loss_scale_growth applies to dynamic loss scaling", None),
+    (["--precision=fp16", "--loss_scale_growth=1"], "--loss_scale_growth must be > 1, got 1.0", None),
+    (["--precision=fp16", "--loss_scale_backoff=1.5"], "--loss_scale_backoff must be in (0, 1), got 1.5", None),
+    (["--precision=fp16", "--loss_scale_interval=0"], "--loss_scale_interval must be >= 1", None),
     (["--precision=fp32", "--fp32_grad_accum"], "with precision=fp32 they already are", None),
     # numbers: ASCII digits only, in every key (loss_scale is a string key, parsed by validate)
     (["--loss_scale=1_000"], "loss_scale must be auto|dynamic|none|<number>, got '1_000'", None),
@@ -164,7 +168,7 @@ TRAIN_CASES = [
        nested("scaler", "loss_scale", value=v)) for v in (float("inf"), float("nan"), 1e300, 0.0)],
     (["--resume"], "the loss scaler's state has", nested("scaler", "backward", value=1)),
     (["--resume"], "skipped_steps='3' is not a count", nested("scaler", "skipped_steps", value="3")),
-    (["--resume"], "the loss scaler tolerates 5 more overflows, its config's hysteresis only 1",
+    (["--resume"], "not what its config's scaler writes: it tolerates 5 more overflows, a hysteresis of 1 at most",
      nested("scaler", "overflows_left", value=5)),
     # AdamW: betas as a string, a negative step count, a moment of another shape, NaN in a moment
     (["--resume"], "AdamW group 0 has betas='0.9, 0.95'", nested("optimizer", "adamw", "param_groups", 0, "betas",
@@ -219,7 +223,7 @@ TRAIN_CASES = [
     # the config holds every key (the learning rate's schedule too), the loss scaler what its config's writes
     (["--resume"], "its config lacks lr_decay_iters, max_iters, warmup_iters", lambda st: {**st, "config": {
         k: v for k, v in st["config"].items() if k not in ("max_iters", "lr_decay_iters", "warmup_iters")}}),
-    (["--resume"], "is not what its config's loss scaling (none) writes: loss_scale=1024.0",
+    (["--resume"], "loss_scale=1024.0, clean_steps=0: loss scaling none writes 1 and 0",
      nested("scaler", "loss_scale", value=1024.0)),
     (["--resume"], "clean_steps=5", nested("scaler", "clean_steps", value=5)),
     (["--resume"], "skipped_steps=3 is more than the 2 steps taken", nested("scaler", "skipped_steps", value=3)),

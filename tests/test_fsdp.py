@@ -93,8 +93,8 @@ def test_early_micro_steps_do_not_reduce_scatter(ranks):
 
 
 def test_no_sync_turns_the_reduce_scatter_off_for_its_body_and_on_after(ranks):
-    """fsdp.py gives the model it shards DDP's no_sync(): K-1 backwards inside it reduce-scatter nothing,
-    the one after it reduce-scatters once per FSDP group (the context set the switch back on)."""
+    """FSDP2's gradient sync off (accumulate.py's rule, DDP's no_sync): K-1 backwards reduce-scatter nothing,
+    the one after them reduce-scatters once per FSDP group (the switch set back on)."""
     for rank in range(WORLD):
         r = ranks[rank]["no_sync"]
         assert r["inside"] == 0, (f"rank {rank}: {r['inside']} reduce-scatters in {K - 1} backwards inside "

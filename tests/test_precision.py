@@ -56,11 +56,11 @@ def a_batch(cfg, seed=0):
 
 # ---------------------------------------------------------------- the loss scaler
 
-def drive_gradscaler(overflows, growth_interval):
+def drive_gradscaler(overflows, growth_interval, factors=(2.0, 0.5)):
     """torch.amp.GradScaler (the oracle) through steps whose gradient is inf where overflows[i]."""
     p = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.SGD([p], lr=0.1)
-    gs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
+    gs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_factor=factors[0], backoff_factor=factors[1],
                               growth_interval=growth_interval)
     scales, skipped = [], 0
     for bad in overflows:
@@ -77,11 +77,12 @@ def drive_gradscaler(overflows, growth_interval):
     return scales, skipped
 
 
-def drive_ours(overflows, growth_interval, hysteresis=1):
-    """Our scaler beside MasterWeightOptimizer (so its one-reduction inf check is exercised)."""
+def drive_ours(overflows, growth_interval, hysteresis=1, factors=(2.0, 0.5)):
+    """Our scaler, as the config builds it, beside MasterWeightOptimizer (so its one-reduction inf check runs)."""
     model = torch.nn.Linear(4, 4).half()
-    scaler = LossScaler("dynamic", growth_interval=growth_interval, hysteresis=hysteresis)
-    recipe = precision.recipe(Config(precision="fp16"))
+    recipe = precision.recipe(Config(precision="fp16", loss_scale_hysteresis=hysteresis, loss_scale_growth=factors[0],
+                                     loss_scale_backoff=factors[1], loss_scale_interval=growth_interval))
+    scaler = recipe.loss_scaler()
     parts = accumulate.StepParts(recipe, scaler, MasterWeightOptimizer(model.parameters(), True, precision.AdamW(Config()), lr=0.1))
     scales, stepped_flags = [], []
     for bad in overflows:
@@ -98,12 +99,16 @@ def drive_ours(overflows, growth_interval, hysteresis=1):
 OVERFLOWS = [0, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
 
 
-def test_scaler_trajectory_matches_gradscaler():
-    want_scales, want_skipped = drive_gradscaler(OVERFLOWS, growth_interval=3)
-    scales, skipped, stepped = drive_ours(OVERFLOWS, growth_interval=3)
-    assert scales == want_scales
-    assert skipped == want_skipped == sum(OVERFLOWS)
-    assert stepped == [not b for b in OVERFLOWS]
+@pytest.mark.parametrize("factors", [(2.0, 0.5), (1.5, 0.25)])  # the config's growth and back-off factors
+def test_scaler_trajectory_matches_gradscaler(factors):
+    want_scales, want_skipped = drive_gradscaler(OVERFLOWS, growth_interval=3, factors=factors)
+    scales, skipped, stepped = drive_ours(OVERFLOWS, growth_interval=3, factors=factors)
+    differ = [(i, ours, theirs) for i, (ours, theirs) in enumerate(zip(scales, want_scales)) if ours != theirs]
+    assert not differ, "the loss scale after step i: ours, GradScaler's (same factors " + str(factors) + "): " + \
+        "; ".join(f"step {i}: {ours:g}, {theirs:g}" for i, ours, theirs in differ)
+    assert skipped == want_skipped == sum(OVERFLOWS), f"skipped steps: ours {skipped}, GradScaler's {want_skipped}, " \
+                                                      f"overflows planted {sum(OVERFLOWS)}"
+    assert stepped == [not b for b in OVERFLOWS], f"steps taken {stepped}, overflows planted {OVERFLOWS}"
     assert len(set(scales)) > 2  # the sequence both grows and backs off
 
 

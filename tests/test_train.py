@@ -77,6 +77,18 @@ def test_resume_is_bit_identical(tmp_path, prec):
     assert first + resumed == straight  # exact float equality, step by step
 
 
+def test_a_learners_growth_factor_resumes_its_own_snapshots(tmp_path):
+    # growth x1.5 every 5 clean steps: the scale is no power of two, which the snapshot check once required
+    flags = ["--max_iters=8", "--lr_decay_iters=8", "--precision=fp16", "--loss_scale_growth=1.5",
+             "--loss_scale_interval=5", "--batch_size=2", "--block_size=32"]
+    straight = run(tmp_path / "a", *flags)
+    first = run(tmp_path / "b", *flags[1:], "--max_iters=6")
+    scale = torch.load(tmp_path / "b" / "snapshot.pt", weights_only=True)["scaler"]["loss_scale"]
+    assert scale != 2.0 ** round(np.log2(scale)), f"the snapshot's scale {scale:g} is a power of two: nothing tested"
+    resumed = run(tmp_path / "b", *flags, "--resume")
+    assert first + resumed == straight, f"losses straight {straight}, snapshot then resumed {first} + {resumed}"
+
+
 def test_interrupted_snapshot_write_leaves_previous_loadable(tmp_path, monkeypatch):
     path = tmp_path / snapshot.FILE
     snapshot.save(path, {"step": 1, "w": torch.arange(4.0)})

@@ -80,12 +80,12 @@ def overflow(rank, world):
         model, parts = train.build(cfg, torch.device("cpu"))
         step_fn, seen = parts.optimizer.step, []
 
-        def planting_step(grads=None, loss_scale=1.0):
+        def planting_step(grads=None, scaler=None):
             if len(seen) == 1 and rank == world - 1:
                 last = parts.optimizer.model_params[-1]
                 last.grad.view(-1)[-1] = float("inf")
             seen.append(parts.optimizer.shards.start)
-            return step_fn(grads, loss_scale)
+            return step_fn(grads, scaler)
         parts.optimizer.step = planting_step
         batches = make_batches(5, 3 * world * K, B, cfg.block_size)
         record = []
