@@ -12,8 +12,10 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 import accumulate
+import fp8
 import memory_ledger as ml
 import model
+import precision
 import train
 from config import Config
 from conftest import merged
@@ -246,10 +248,11 @@ def test_sixteen_bytes_per_param_for_mixed_precision_adam():
 
 
 def linear_weights(cfg):
-    """(elements of every Linear weight, how many Linears) of model.GPT, built on the meta device."""
+    """(elements of every FP8 Linear's weight, how many) of model.GPT as cfg's recipe builds it, on the meta
+    device: the Linears the FP8 factory made (an untied head a learner adds stays a BF16 nn.Linear)."""
     with torch.device("meta"):
-        gpt = model.GPT(cfg)
-    sizes = [m.weight.numel() for m in gpt.modules() if isinstance(m, nn.Linear)]
+        gpt = model.GPT(cfg, precision.recipe(cfg).linear_factory())
+    sizes = [m.weight.numel() for m in fp8.layers(gpt)]
     return sum(sizes), len(sizes)
 
 
@@ -260,7 +263,10 @@ def test_fp8_weight_copies(grad):
     cfg, rows, ok, meas, _ = ledger(["--n_embd=64", "--n_head=4", "--block_size=32", "--precision=fp8",
                                      f"--fp8_grad={grad}"])
     weights, n = linear_weights(cfg)
-    assert meas["fp8_kept"] == (2 if grad == "e5m2" else 1) * weights + 16 * n and ok
+    want = (2 if grad == "e5m2" else 1) * weights + 16 * n
+    assert meas["fp8_kept"] == want and ok, f"FP8 copies kept: measured {meas['fp8_kept']:,} bytes, {n} FP8 " \
+        f"Linears of {weights:,} weight elements make {want:,} ({'two copies' if grad == 'e5m2' else 'one copy'} " \
+        f"of 1 byte an element, 16 bytes of scale and amax each); the ledger's checks pass: {ok}"
 
 
 @pytest.mark.parametrize("argv", [["--precision=fp8"], ["--precision=fp8", "--fp8_grad=e5m2", "--ckpt=full"],
