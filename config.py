@@ -81,7 +81,8 @@ class Config:
     # precision (precision.py, fp8.py, backends/fp8_te.py): read only by precision.recipe()
     precision: str = key("bf16", "parameter/activation dtype; fp8 = bf16 with FP8 Linear matmuls", PRECISIONS)
     loss_scale: str = key("auto", "auto (dynamic for fp16, else none) | dynamic | none | a number")
-    loss_scale_hysteresis: int = key(1, "overflows tolerated before the dynamic scale backs off", at_least=1)
+    loss_scale_hysteresis: int = key(1, "the dynamic scale backs off at this many overflows (1: at the first)",
+                                     at_least=1)
     loss_scale_growth: float = key(2.0, "a dynamic scale is multiplied by this after loss_scale_interval clean steps")
     loss_scale_backoff: float = key(0.5, "a dynamic scale is multiplied by this on an overflow")
     loss_scale_interval: int = key(2000, "clean steps in a row that grow a dynamic scale", at_least=1)
@@ -163,11 +164,12 @@ def validate(cfg):
         if not (1 / FP32_MAX <= value <= FP32_MAX):
             raise UsageError(f"a static loss_scale must be a positive number within FP32's range, "
                              f"got {cfg.loss_scale!r}")
-    # a scale that grows must grow, and one that backs off must shrink (and stay above 0)
-    if not cfg.loss_scale_growth > 1.0:
-        raise UsageError(f"--loss_scale_growth must be > 1, got {cfg.loss_scale_growth}")
-    if not 0.0 < cfg.loss_scale_backoff < 1.0:
-        raise UsageError(f"--loss_scale_backoff must be in (0, 1), got {cfg.loss_scale_backoff}")
+    # a scale that grows must grow, and one that backs off must shrink; within 2^24 either way, so that a few
+    # changes cannot take the scale past FP32's range (inf) or to 0 (an unscale by 1/0)
+    if not 1.0 < cfg.loss_scale_growth <= 2.0 ** 24:
+        raise UsageError(f"--loss_scale_growth must be in (1, 2^24], got {cfg.loss_scale_growth}")
+    if not 2.0 ** -24 <= cfg.loss_scale_backoff < 1.0:
+        raise UsageError(f"--loss_scale_backoff must be in [2^-24, 1), got {cfg.loss_scale_backoff}")
     check_meaningful(cfg)
     if cfg.shard == "fsdp" and cfg.precision == "fp8":
         raise UsageError("--shard=fsdp does not run precision=fp8: FP8 Linears keep whole FP8 copies and an amax "

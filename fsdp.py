@@ -44,8 +44,6 @@ def apply_fsdp(model, recipe):
     return model
 
 
-
-
 class ShardOptimizer(precision.MasterWeightOptimizer):
     """precision.MasterWeightOptimizer on this rank's FP32 shards (DTensors), which are the master
     weights: the optimizer steps them in place (no master copy, no copy down). master_weights says whether

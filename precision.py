@@ -149,8 +149,8 @@ class LossScaler:
     """Multiply the loss by `loss_scale` before backward, so small FP16 gradients stay above FP16's smallest
     normal (6.1e-5; below 6e-8 they are 0), and divide it out in FP32; skip a step whose gradients hold inf/NaN.
     "dynamic": from 2^16, an overflow multiplies the scale by `backoff_factor`, `growth_interval` clean steps in a
-    row by `growth_factor` (0.5 and 2: torch.amp.GradScaler's); `hysteresis` > 1 (Megatron-LM's) tolerates that
-    many overflows before backing off, restored by a growth. "static": a fixed scale. "none": 1."""
+    row by `growth_factor` (0.5 and 2: torch.amp.GradScaler's); `hysteresis` h > 1 (Megatron-LM's) tolerates
+    h - 1 overflows and backs off at the h-th, restored by a growth. "static": a fixed scale. "none": 1."""
 
     def __init__(self, mode="none", init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, hysteresis=1):
@@ -209,8 +209,10 @@ class LossScaler:
 def overflows_explained(scaler, scale):
     """Skipped steps in a row `scaler` explains from `scale` (guards/clean_end.Divergence): hysteresis-1
     tolerated, then one back-off each until the scale is 1 (a static scale or none: alike, no hysteresis)."""
-    hysteresis = scaler.hysteresis if scaler.mode == "dynamic" else 1
-    return hysteresis - 1 + max(0, math.ceil(math.log(scale) / -math.log(scaler.backoff_factor)))
+    skips = (scaler.hysteresis if scaler.mode == "dynamic" else 1) - 1
+    while scale > 1:  # multiplied as `update` multiplies (a logarithm's rounding would miscount at 2^29)
+        scale, skips = scale * scaler.backoff_factor, skips + 1
+    return skips
 
 
 def not_written_by(scaler, state):
@@ -261,7 +263,7 @@ class Recipe:
     master_weights: bool  # an FP32 master copy that AdamW updates (every 16-bit precision)
     loss_scaling: str  # none|dynamic|static
     static_scale: float  # the scale of loss_scaling=static
-    hysteresis: int  # overflows tolerated before a dynamic scale backs off
+    hysteresis: int  # a dynamic scale backs off at this many overflows (1: at the first)
     growth: tuple = (2.0, 0.5, 2000)  # a dynamic scale's growth factor, back-off factor, growth interval
     fp8: FP8Settings = None  # the FP8 Linears' settings, or None: plain Linears
 

@@ -40,8 +40,8 @@ class Divergence:
     The rule. A non-finite loss (on any rank) is divergence: no loss scale makes a forward finite.
     A skipped step (inf/NaN gradients) is the scaler's business while the scaler can explain it
     (precision.overflows_explained): a dynamic scaler tolerates hysteresis-1 overflows,
-    then backs off per overflow (halves, by default), so from scale S it is down to 1 after
-    hysteresis-1 + ceil(log2 S) skips in a row. One skip more
+    then backs off per overflow, so from scale S it is down to 1 after hysteresis-1 + ceil(log2 S)
+    skips in a row at the default back-off (it halves). One skip more
     overflowed at a scale <= 1: the gradients are not finite even unscaled, and lowering the
     scale further cannot help. A static scale (or none, scale 1) never moves; its run of skips
     gets the same allowance, counted from that scale (none: 0, the first skip stops: a bf16 or

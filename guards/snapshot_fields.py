@@ -108,17 +108,28 @@ def _check_config(saved, need):
         need(False, f"its config: {e}")
 
 
+UPDATE_KEYS = ("eps", "amsgrad", "maximize", "decoupled_weight_decay")  # torch's, beside the spec's own
+
+
+def saved_group_keys(saved):
+    """Every key some saved group carries (none when the groups are not dicts: refused below)."""
+    return {k for g in saved.get("param_groups", []) if isinstance(g, dict) for k in g} \
+        if isinstance(saved, dict) and isinstance(saved.get("param_groups"), list) else set()
+
+
 def _check_optimizer(saved, spec, step, need):
-    """The optimizer's state_dict, by its spec (precision.OPTIMIZERS): its groups carry every hyperparameter
-    as this config builds the optimizer (AdamW's betas, eps, amsgrad, ...), its per-element tensors are finite (and >= 0 where the spec says),
+    """The optimizer's state_dict, by its spec (precision.OPTIMIZERS): its groups carry the hyperparameters that
+    change the update as its config builds the optimizer (AdamW's betas, eps, amsgrad, ...), its per-element tensors are finite (and >= 0 where the spec says),
     its per-tensor counts are whole numbers no larger than the snapshot's step (a skipped step does not count)."""
     who = type(spec).__name__
     need(isinstance(saved, dict) and isinstance(saved.get("state"), dict)
          and isinstance(saved.get("param_groups"), list), f"no {who} state")
-    # every hyperparameter torch keeps in a group (betas, eps, amsgrad, maximize, ...) as this config builds it;
-    # lr follows the schedule and weight_decay is per group, both checked below
+    # the hyperparameters that change the update, as its config builds the optimizer: the spec's (betas) always,
+    # torch's own where the group carries them (a torch before 2.7 wrote no decoupled_weight_decay, and its
+    # load fills it); lr follows the schedule and weight_decay is per group, both checked below
     built = spec.build([{"params": [torch.zeros(1)]}], lr=0.0).param_groups[0]
-    fixed = {k: v for k, v in built.items() if k not in ("params", "lr", "weight_decay")}
+    fixed = {k: built[k] for k in (*spec.hyperparameters, *UPDATE_KEYS)
+             if k in built and (k in spec.hyperparameters or k in saved_group_keys(saved))}
     ids = []
     for i, group in enumerate(saved["param_groups"]):
         need(isinstance(group, dict) and isinstance(group.get("params"), list)
@@ -128,7 +139,7 @@ def _check_optimizer(saved, spec, step, need):
             got = group.get(name)
             same = tuple(got) == tuple(value) if isinstance(value, tuple) and isinstance(got, (tuple, list)) \
                 else got == value
-            need(same, f"{who} group {i} has {name}={got!r}, this run's is {value!r}")
+            need(same, f"{who} group {i} has {name}={got!r}, its config's is {value!r}")
         for name in ("lr", "weight_decay"):
             need(_number(group.get(name)) and group[name] >= 0, f"{who} group {i} has {name}={group.get(name)!r}")
     need(len(set(ids)) == len(ids), f"{who}'s groups share a parameter id")

@@ -125,6 +125,20 @@ def test_scaler_hysteresis_tolerates_overflows_before_backing_off():
     assert drive_ours([1, 1], growth_interval=100, hysteresis=1)[0] == [s0 / 2, s0 / 4]
 
 
+@pytest.mark.parametrize("hysteresis", [1, 3])
+def test_the_overflows_a_scaler_explains_are_its_own_count(hysteresis):
+    # the oracle: the scaler itself, overflowing until its scale is 1 and its next overflow is a back-off
+    # (2^29: where a logarithm's rounding once counted one more)
+    for exponent in (0, 1, 16, 29, 31, 62):
+        scaler = LossScaler("dynamic", init_scale=2.0 ** exponent, hysteresis=hysteresis)
+        explained, skips = precision.overflows_explained(scaler, scaler.loss_scale), 0
+        while scaler.loss_scale > 1 or scaler.overflows_left > 1:
+            scaler.update(found_inf=True)
+            skips += 1
+        assert explained == skips, f"from 2^{exponent}, hysteresis {hysteresis}: the allowance says {explained} " \
+                                   f"skips, the scaler reached 1 with no tolerance left after {skips}"
+
+
 def test_scaler_from_config_modes():
     scaler = lambda loss_scale, prec: precision.recipe(Config(loss_scale=loss_scale, precision=prec)).loss_scaler()
     assert scaler("auto", "fp16").mode == "dynamic"

@@ -89,6 +89,21 @@ def test_a_learners_growth_factor_resumes_its_own_snapshots(tmp_path):
     assert first + resumed == straight, f"losses straight {straight}, snapshot then resumed {first} + {resumed}"
 
 
+def test_a_snapshot_from_an_older_torchs_adamw_resumes(tmp_path):
+    # torch before 2.7 wrote AdamW's groups without decoupled_weight_decay: its load fills it in, so the
+    # snapshot check must not ask for it (it asks for what such a group does carry: betas, eps, ...)
+    flags = ["--max_iters=2", "--lr_decay_iters=4", "--batch_size=2", "--block_size=32"]
+    run(tmp_path, *flags)
+    path = tmp_path / "snapshot.pt"
+    state = torch.load(path, weights_only=True)
+    groups = state["optimizer"]["adamw"]["param_groups"]
+    assert all("decoupled_weight_decay" in g for g in groups), "this torch writes no decoupled_weight_decay"
+    for group in groups:
+        del group["decoupled_weight_decay"]
+    torch.save(state, path)
+    assert len(run(tmp_path, *flags[1:], "--max_iters=4", "--resume")) == 2
+
+
 def test_interrupted_snapshot_write_leaves_previous_loadable(tmp_path, monkeypatch):
     path = tmp_path / snapshot.FILE
     snapshot.save(path, {"step": 1, "w": torch.arange(4.0)})
