@@ -26,6 +26,7 @@ missed or a section could not run, 2 for bad input.
 import functools
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, fields, replace
@@ -254,7 +255,7 @@ def what_if_text(opts):
 
 @functools.lru_cache(maxsize=4)
 def _what_if(gpu_gib, ranks):
-    out = [report.format_what_if(mp.what_if(gpu_gib, ranks), gpu_gib), "",
+    out = [report.format_what_if(mp.what_if(gpu_gib, ranks, workers=len(os.sched_getaffinity(0))), gpu_gib), "",
            report.format_papers(papers.korthikanti_rows(), papers.zero_rows())]
     return "\n".join(out), True
 
