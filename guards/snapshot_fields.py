@@ -111,12 +111,6 @@ def _check_config(saved, need):
 UPDATE_KEYS = ("eps", "amsgrad", "maximize", "decoupled_weight_decay")  # torch's, beside the spec's own
 
 
-def saved_group_keys(saved):
-    """Every key some saved group carries (none when the groups are not dicts: refused below)."""
-    return {k for g in saved.get("param_groups", []) if isinstance(g, dict) for k in g} \
-        if isinstance(saved, dict) and isinstance(saved.get("param_groups"), list) else set()
-
-
 def _check_optimizer(saved, spec, step, need):
     """The optimizer's state_dict, by its spec (precision.OPTIMIZERS): its groups carry the hyperparameters that
     change the update as its config builds the optimizer (AdamW's betas, eps, amsgrad, ...), its per-element tensors are finite (and >= 0 where the spec says),
@@ -128,14 +122,15 @@ def _check_optimizer(saved, spec, step, need):
     # torch's own where the group carries them (a torch before 2.7 wrote no decoupled_weight_decay, and its
     # load fills it); lr follows the schedule and weight_decay is per group, both checked below
     built = spec.build([{"params": [torch.zeros(1)]}], lr=0.0).param_groups[0]
-    fixed = {k: built[k] for k in (*spec.hyperparameters, *UPDATE_KEYS)
-             if k in built and (k in spec.hyperparameters or k in saved_group_keys(saved))}
+    fixed = {k: built[k] for k in (*spec.hyperparameters, *UPDATE_KEYS) if k in built}
     ids = []
     for i, group in enumerate(saved["param_groups"]):
         need(isinstance(group, dict) and isinstance(group.get("params"), list)
              and all(type(p) is int for p in group["params"]), f"{who} group {i} has no list of parameter ids")
         ids += group["params"]
         for name, value in fixed.items():
+            if name not in group and name not in spec.hyperparameters:
+                continue
             got = group.get(name)
             same = tuple(got) == tuple(value) if isinstance(value, tuple) and isinstance(got, (tuple, list)) \
                 else got == value
