@@ -15,12 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-try:  # FSDP2's module, public since torch 2.6 (fsdp.py: an older torch runs every SHARD but fsdp)
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:
-    FSDPModule = ()
-
 import fp8
+import fsdp
 import precision
 from config import LOSS_NORMS
 
@@ -52,7 +48,7 @@ def accumulation_step(model, parts, micro_batches, loss_norm="mean", use_no_sync
         # the sync rule: reduce once, in the last micro-step's backward (FP32 sums: in optimizer_step). DDP's
         # no_sync covers the forward too (DDP arms its all-reduce there); FSDP2's is a flag; ZeRO reduces in its step
         sync = (i == K - 1 or not use_no_sync) and parts.grad_buffers is None
-        if isinstance(model, FSDPModule):
+        if isinstance(model, fsdp.FSDPModule):
             model.set_requires_gradient_sync(sync)
         with model.no_sync() if ddp and not sync else nullcontext():
             with parts.recipe.forward_context(model, micro_step=i):  # FP8: W quantized at micro-step 0 only

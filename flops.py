@@ -85,9 +85,15 @@ class Counted(TorchDispatchMode):
 _COUNTED = {}  # (config, stop_early, what model.py holds) -> FLOPs per token: a run asks once
 
 
+def model_code():
+    """What model.py holds now, its classes' methods too (a learner's edit, a test's): counts and traces are
+    kept per version (ledger/trace.py keys its traces by it too)."""
+    return tuple(id(v) for v in vars(model_py).values()) + \
+        tuple(id(f) for v in vars(model_py).values() if isinstance(v, type) for f in vars(v).values())
+
+
 def _counted(cfg, stop_early):
-    key = (repr(cfg), stop_early, tuple(id(v) for v in vars(model_py).values()),
-           tuple(id(f) for v in vars(model_py).values() if isinstance(v, type) for f in vars(v).values()))
+    key = (repr(cfg), stop_early, model_code())
     if key not in _COUNTED:
         _COUNTED[key] = _count(cfg, stop_early)
     return _COUNTED[key]

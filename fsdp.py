@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 try:  # public since torch 2.6; an older torch runs every SHARD but this one (apply_fsdp says so)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:
-    fully_shard = None
+    fully_shard, FSDPModule = None, ()  # (isinstance of an empty tuple: False)
 
 import precision
 import zero

@@ -127,11 +127,6 @@ class AdamW:
     def build(self, groups, lr):
         return torch.optim.AdamW(groups, lr=lr, foreach=True, **self.hyperparameters)
 
-    @staticmethod
-    def step_temporaries(group_sizes, weight_decays):
-        """[(what, bytes)] the foreach step holds for a moment: sqrt(v) per group, FP32 (decay is in place)."""
-        return [(f"AdamW sqrt(v), group {i}", 4 * n) for i, n in enumerate(group_sizes)]
-
 
 OPTIMIZERS = {AdamW.name: AdamW}  # OPTIMIZER's choices
 

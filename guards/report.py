@@ -137,9 +137,9 @@ def ledger_line(cfg, device):
     return ledger_line_text(cfg, torch.cuda.memory_allocated(device), max_allocated, workspaces)
 
 
-def ledger_line_text(cfg, allocated, max_allocated, workspaces, world=1):
+def ledger_line_text(cfg, allocated, max_allocated, workspaces):
     """The line, from the allocator's readings and the measured workspaces ({} where not measured)."""
-    step = trace.step(dataclasses.replace(cfg, device="cuda"), world, int(os.environ.get("RANK", 0)))
+    step = trace.step(dataclasses.replace(cfg, device="cuda"))
     states = sum(step[k] for k in ("parameters", "buffers", "master", "optimizer"))  # .grad goes after a step
     peak = step["peak"]
     blas = sum(workspaces.values())

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 import accumulate
 import checkpoint
+import memory_ledger
 
 
 def local(t):
@@ -183,8 +184,7 @@ def _from_softmax(node, depth=8):
     """Whether `node`'s output was made from a softmax's within `depth` nodes, not through a matmul."""
     if node is None or depth == 0:
         return False
-    name = type(node).__name__
-    if name in ("SoftmaxBackward0", "SafeSoftmaxBackward0"):
+    if (name := type(node).__name__) in memory_ledger.SOFTMAX:
         return True
     if "mm" in name.lower() or "Linear" in name or "Rerun" in name:
         return False

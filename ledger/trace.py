@@ -166,12 +166,6 @@ def rules_forced():
         _FORCED.pop()
 
 
-def _model_code():
-    """What model.py holds now, its classes' methods too (a learner's edit, a test's): traces are kept per version."""
-    return tuple(id(v) for v in vars(model).values()) + \
-        tuple(id(f) for v in vars(model).values() if isinstance(v, type) for f in vars(v).values())
-
-
 _TRACED = {}
 
 
@@ -187,7 +181,7 @@ def step(cfg, world=1, rank=0, micro_steps=1, planned=False):
 
 
 def _key(kind, cfg, *args):
-    return kind, repr(cfg), *args, emulated(cfg), _model_code()
+    return kind, repr(cfg), *args, emulated(cfg), flops.model_code()
 
 
 def _cached(kind, cfg, *args):
@@ -222,11 +216,11 @@ def _traced_or_none(request):
         return None
 
 
-def warm(model_, parts, batch, world):
+def warm(model_, parts, batch):
     """One step before the counted one, so that AdamW's states exist: AdamW's alone on the master weights
     (nothing else of a step leaves state behind), but under FSDP, whose first forward makes its own (the
     whole step then, where a step is counted after)."""
-    if isinstance(model_, accumulate.FSDPModule) and batch is not None:  # FSDP's model (fsdp.apply_fsdp), a step to count
+    if isinstance(model_, fsdp.FSDPModule) and batch is not None:  # FSDP's model (fsdp.apply_fsdp), a step to count
         accumulate.accumulation_step(model_, parts, [batch])
         return
     opt = parts.optimizer
@@ -262,7 +256,7 @@ def _optimizer_step(cfg, world, rank):
                 for p in opt.model_params:
                     p.grad = torch.empty_like(p)
             return [p.grad for p in opt.model_params if p.grad is not None]
-        warm(model_, parts, None, world)  # AdamW's states exist from here
+        warm(model_, parts, None)  # AdamW's states exist from here
         tracker, found = measure.LiveTensors(device, timeline=True), {}
         static = measure.resident(model_, parts) + (parts.grad_buffers or [])
         opt_step = opt.step
@@ -308,7 +302,7 @@ def _trace(cfg, world, rank, micro_steps, planned):
         model_, parts = build.build(cfg, device)
         batch = measure.random_batch(cfg, device)
         if not planned or cfg.shard == "fsdp":  # (the planner's stop before the step: Peaks sets the states)
-            warm(model_, parts, batch, world)  # AdamW's states exist from here: the steady state
+            warm(model_, parts, batch)  # AdamW's states exist from here: the steady state
         with comm.Count() as count, flops.Counted() if planned else contextlib.nullcontext() as counted:
             out = measure.measure(model_, parts, batch, device, micro_steps, timeline=marks if planned else None,
                                   until_step=planned and cfg.shard != "fsdp")

@@ -72,7 +72,7 @@ PATHS = [  # in the README's reading order
             ("capture", "restore", "save", "read", "rng_state", "set_rng_state")),
     Reading("the data", "data.py", ("Batches", "DrawnOnce")),
     Reading("MFU and HFU: FLOPs counted from the model", "flops.py",
-            ("per_token", "_counted", "_count", "Counted", "CPU_ATTENTION", "_attention", "utilization", "peak_flops", "_cpu_peak")),
+            ("per_token", "model_code", "_counted", "_count", "Counted", "CPU_ATTENTION", "_attention", "utilization", "peak_flops", "_cpu_peak")),
 ]
 
 
