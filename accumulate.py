@@ -19,8 +19,8 @@ import fp8
 import fsdp
 import precision
 from config import LOSS_NORMS
+from model import IGNORE_INDEX
 
-IGNORE_INDEX = -100  # targets equal to this carry no loss (padding); F.cross_entropy's default
 
 
 @dataclass

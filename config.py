@@ -57,6 +57,8 @@ class Config:
     vocab_size: int = key(256, "tokens are bytes: 256 (larger only for the ledger's what-if shapes)", at_least=256)
     dropout: float = key(0.0, "dropout probability, in [0, 1)", at_least=0.0)
     bias: bool = key(True, "biases in Linears and LayerNorms")
+    loss_chunks: int = key(1, "the loss over the rows in this many pieces, never all the FP32 logits at once "
+                               "(model.ChunkedLoss); 1 = the plain loss", at_least=1)
     attn: str = key("manual", "attention core: manual (keeps the s x s softmax) or sdpa (fused)", ATTENTIONS)
     # batch and accumulation (accumulate.py)
     batch_size: int = key(8, "micro-batch: sequences per rank per micro-step", at_least=1)
@@ -154,6 +156,9 @@ def validate(cfg):
     if lr / (1 - cfg.beta1) > FP32_MAX:
         raise UsageError(f"--{name}={lr:g} is too large: AdamW's first step moves by lr / (1 - beta1) = "
                          f"{lr / (1 - cfg.beta1):g}, past FP32's largest number ({FP32_MAX:.6g})")
+    if cfg.loss_chunks > cfg.batch_size * cfg.block_size:  # a piece of no row would be a GEMM of nothing
+        raise UsageError(f"loss_chunks={cfg.loss_chunks} is more than the {cfg.batch_size * cfg.block_size} rows "
+                         f"of a micro-batch (batch_size x block_size): at most one piece per row")
     if cfg.total_batch_tokens and cfg.accum != 1:
         raise UsageError("give --accum or --total_batch_tokens (which derives accum), not both")
     if cfg.loss_scale not in ("auto", "dynamic", "none"):

@@ -62,10 +62,31 @@ def layer_activations_closed(s, b, h, a, e=2, dropout=True, sdpa=False):
     return sum(layer_terms_closed(s, b, h, a, e, dropout, sdpa).values())
 
 
-def head_activations_closed(s, b, h, V, e=2):
+def head_activations_closed(s, b, h, V, e=2, chunks=1):
     """Bytes the head keeps: its input (2sbh) and the FP32 log-softmax of the logits (4bsV), which the
-    loss's backward needs. Not in the paper's per-layer formula; at a real vocabulary it is the largest."""
-    return e * s * b * h + 4 * b * s * V
+    loss's backward needs. Not in the paper's per-layer formula; at a real vocabulary it is the largest.
+    The loss in pieces (LOSS_CHUNKS > 1, model.ChunkedLoss) keeps the input only: backward re-runs the logits."""
+    return e * s * b * h + (4 * b * s * V if chunks == 1 else 0)
+
+
+def loss_temporaries_closed(s, b, V, chunks=1):
+    """Bytes the loss holds at its most, in backward: three FP32 tensors of the logits' size, 4bsV each (the
+    log-softmax, its gradient from the NLL, the logits' gradient); under LOSS_CHUNKS a piece's, bs/k rows.
+    Not in the paper's formulas; at GPT-2's vocabulary it is most of a step's peak."""
+    return 3 * 4 * math.ceil(b * s / chunks) * V
+
+
+def loss_differences(cfg, alive):
+    """[line] naming what the loss holds at its most beyond the formula's three FP32 logits-sized tensors:
+    `alive` is [(dtype, shape, bytes)] of each storage then (ledger/trace.loss_at_most), told once per kind."""
+    left, told = 3, {}
+    for dtype, shape, nbytes in alive:
+        if left and dtype == "float32" and len(shape) >= 2 and shape[-1] == cfg.vocab_size:
+            left -= 1  # one of the formula's
+            continue
+        key = f"{dtype} {shape}, {nbytes:,} bytes"
+        told[key] = told.get(key, 0) + 1
+    return [key + (f" (x{n})" if n > 1 else "") for key, n in told.items()]
 
 
 def full_recompute_layer_closed(s, b, h, e=2):
@@ -98,7 +119,7 @@ TERMS = {  # name: what the formula counts (per layer, at e = 2; the head's and 
     "masks": "dropout masks, 1 byte: as^2b + 2sbh",
     "activation": "the activation's input: 8sbh",
     "units": "recompute units' inputs: 2sbh each",
-    "head": "the head's input 2sbh and FP32 log-softmax 4bsV",
+    "head": "the head's input 2sbh and FP32 log-softmax 4bsV (none in pieces)",
 }
 
 
@@ -118,7 +139,7 @@ def closed_terms(cfg):
             out[term] += n
     out["norms"] += e * s * b * h  # ln_f
     out["units"] = len(policy.block_units(cfg.n_layer)) * full_recompute_layer_closed(s, b, h, e)
-    out["head"] = head_activations_closed(s, b, h, cfg.vocab_size, e)
+    out["head"] = head_activations_closed(s, b, h, cfg.vocab_size, e, cfg.loss_chunks)
     return out
 
 
@@ -181,7 +202,8 @@ def account(saved_tensors, kinds):
     return terms, unmatched
 
 
-COUNTED = {"norms": {("NativeLayerNormBackward0", "input")}, "linears": LINEAR_INPUTS, "head": {("MmBackward0", "self")},
+COUNTED = {"norms": {("NativeLayerNormBackward0", "input")}, "linears": LINEAR_INPUTS,
+           "head": {("MmBackward0", "self"), ("ChunkedLossBackward", "0")},
            "activation": {(node, "self") for node in ACTIVATIONS}}
 
 

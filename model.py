@@ -14,6 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+IGNORE_INDEX = -100  # targets equal to this carry no loss (padding); F.cross_entropy's default
+
+
 def default_linear(in_features, out_features, bias):
     return nn.Linear(in_features, out_features, bias=bias)
 
@@ -89,6 +92,58 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class ChunkedLoss(torch.autograd.Function):
+    """F.cross_entropy(x @ W^T in FP32), the rows taken in `chunks` pieces (LOSS_CHUNKS): the FP32 logits,
+    their log-softmax and its gradient (4bsV bytes each) live one piece at a time, never whole. Chapter
+    section 3 applied to the head: do not keep what is large and can be had again. Forward keeps only the
+    head's input and the targets; backward re-runs each piece's logits to form their gradient, one more
+    head GEMM. Chosen over forming the gradients in forward, which has no extra GEMM but must know the
+    loss's output gradient (the loss scale, the micro-step's weight) before backward gives it; measured,
+    the re-run costs little, since small pieces are also faster to soften and cast (docs/results.md)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunks):
+        rows, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+        ctx.save_for_backward(rows, weight, targets)
+        ctx.chunks, ctx.x_shape = chunks, x.shape
+        row_losses = [F.cross_entropy((piece @ weight.t()).float(), piece_targets, reduction="none")
+                      for piece, piece_targets in zip(rows.tensor_split(chunks), targets.tensor_split(chunks))]
+        # their mean as F.cross_entropy takes it (nll_loss's own sum over the targets not ignored): to the bit
+        ctx.counted = (targets != IGNORE_INDEX).sum()
+        counted_rows = torch.where(targets == IGNORE_INDEX, IGNORE_INDEX, 0)
+        return F.nll_loss(-torch.cat(row_losses).unsqueeze(1), counted_rows)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        rows, weight, targets = ctx.saved_tensors
+        grad_rows = torch.empty_like(rows)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # the pieces' sum
+        for piece, piece_targets, grad_piece in zip(*(t.tensor_split(ctx.chunks) for t in (rows, targets, grad_rows))):
+            grad_logits = logits_gradient(piece, weight, piece_targets, grad_loss / ctx.counted)
+            torch.mm(grad_logits, weight, out=grad_piece)
+            sum_in_fp32(grad_weight, grad_logits.t(), piece)
+        return grad_rows.view(ctx.x_shape), grad_weight.to(weight.dtype), None, None
+
+
+def logits_gradient(piece, weight, targets, grad):
+    """The gradient of a piece's logits, its loss re-run: autograd's own log-softmax gradient and cast back
+    to 16 bits, as the plain loss forms them (its locals die here, before the next piece)."""
+    with torch.enable_grad():
+        logits = (piece @ weight.t()).requires_grad_()
+        loss = F.cross_entropy(logits.float(), targets, reduction="sum")
+    return torch.autograd.grad(loss, logits, grad)[0]
+
+
+def sum_in_fp32(total, a, b):
+    """total += a @ b in FP32: the pieces' weight gradients add up there and round to 16 bits once. A CPU
+    has no GEMM of 16-bit inputs into FP32, so the same values are multiplied in FP32 there (a product of
+    two 16-bit values is exact in FP32); cuBLAS has one (out_dtype)."""
+    if a.is_cuda and a.dtype != torch.float32:
+        total += torch.mm(a, b, out_dtype=torch.float32)
+    else:
+        total.addmm_(a.float(), b.float())
+
+
 def run_blocks_in_order(blocks, x):
     for block in blocks:
         x = block(x)
@@ -122,8 +177,15 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         x = self.block_runner(self.h, x)
-        x = self.ln_f(x)
-        logits = x @ self.wte.weight.t()
+        return self.head_and_loss(self.ln_f(x), targets)
+
+    def head_and_loss(self, x, targets=None):
+        """(logits, loss) from the final norm's output: the head (wte, tied) and the cross-entropy (None
+        without targets). In pieces (LOSS_CHUNKS > 1): (None, loss), no logits kept whole."""
+        head = self.wte.weight
+        if targets is not None and self.cfg.loss_chunks > 1:
+            return None, ChunkedLoss.apply(x, head, targets, self.cfg.loss_chunks)
+        logits = x @ head.t()
         if targets is None:
             return logits, None
         # cross entropy in fp32: a 16-bit log-softmax over the vocabulary loses the small terms

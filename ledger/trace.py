@@ -15,7 +15,9 @@ unwrapped, its buckets and all-reduce stated (`DDP`). A GPU's step traced where 
 CPU's: `CUDA`, each rule with its source, unverified until `make gpu-check` runs them on a GPU.
 """
 import contextlib
+import dataclasses
 import multiprocessing
+import signal
 from dataclasses import replace
 
 import torch
@@ -48,6 +50,8 @@ CUDA = [  # what a GPU's kernels keep that a CPU's do not: (rule, source); all u
      "attention.cu; torch/_meta_registrations.py"),
     ("the FP8 GEMM is torch._scaled_mm, its operands not copied to BF16", "backends/fp8_gemm.py's GPU path"),
     ("AdamW's per-tensor step counts stay in host memory", "torch/optim/adamw.py (capturable=False)"),
+    ("LOSS_CHUNKS: a piece's weight gradient is one 16-bit GEMM with an FP32 output, no FP32 copies of its "
+     "operands", "model.sum_in_fp32; torch.mm's out_dtype (aten/src/ATen/native/cuda/Blas.cpp)"),
 ]
 
 
@@ -79,13 +83,14 @@ def cuda_rules(on):
         yield
         return
     # functions, not a torch-function mode: autograd runs a recompute's re-run in backward without one
-    saved = fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention
+    saved = fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention, model.sum_in_fp32
     fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention = (lambda t: True), _dropout, _attention
+    model.sum_in_fp32 = lambda total, a, b: total.add_(torch.mm(a, b, out_dtype=torch.float32))
     try:
         with _CudaDtypes():
             yield
     finally:
-        fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention = saved
+        fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention, model.sum_in_fp32 = saved
 
 
 @contextlib.contextmanager
@@ -203,10 +208,17 @@ def prefetch(requests, workers):
             todo.setdefault(_key(*request), request)
     if workers < 2 or len(todo) < 2 or "fork" not in multiprocessing.get_all_start_methods():
         return
-    with multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_worker_start) as pool:
         for key, out in zip(todo, pool.imap(_traced_or_none, todo.values())):
             if out is not None:
                 _TRACED[key] = out
+
+
+def _worker_start():
+    torch.set_num_threads(1)
+    # the pool ends its workers by SIGTERM, and Ctrl-C reaches the whole group: this process answers both
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _traced_or_none(request):
@@ -330,6 +342,45 @@ def _trace(cfg, world, rank, micro_steps, planned):
         if parts.grad_buffers is None:  # with FP32 sums every micro-step is no_sync: accumulate.py all-reduces them
             out["calls"] = out["calls"] + [("all_reduce", out["parameters"], out["params"][0])]
     return out
+
+
+class _Described(measure.LiveTensors):
+    """LiveTensors that also tells what was alive at its peak: [(dtype, shape, bytes)] of each storage."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.told, self.at_peak = {}, {}
+
+    def _add(self, t):
+        self._drop_dead()  # a dead storage's id may be this one's now
+        if isinstance(t, torch.Tensor) and t.device.type == self.device.type and measure.storage_key(t) not in self.live:
+            self.told[measure.storage_key(t)] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        super()._add(t)
+
+    def _counted(self, op=None, grew=False):
+        if self.now > self.peak:
+            self.at_peak = {key: (*self.told.get(key, ("?", ())), n) for key, n in self.live.items()}
+        super()._counted(op, grew)
+
+
+def loss_at_most(cfg, fake=True):
+    """(bytes, [(dtype, shape, bytes)] alive then) of model.GPT.head_and_loss at its most beyond its inputs,
+    forward and backward, run alone (fake=False: on real tensors, measured): what memory_ledger.
+    loss_temporaries_closed states."""
+    rec = precision.recipe(cfg)
+    with fake_tensors() if fake else contextlib.nullcontext(), cuda_rules(fake and emulated(cfg)):
+        gpt = model.GPT(dataclasses.replace(cfg, n_layer=1), rec.linear_factory()).to(rec.param_dtype)  # no block runs
+        x = torch.randn(cfg.batch_size, cfg.block_size, cfg.n_embd, dtype=rec.param_dtype, requires_grad=True)
+        targets = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size))
+        tracker, inputs = _Described("cpu"), [x, targets, *gpt.parameters(), *gpt.buffers()]
+        with tracker:
+            tracker.adopt(inputs)
+            tracker.reset_peak()
+            before = tracker.read()
+            gpt.head_and_loss(x, targets)[1].backward()
+            del x.grad
+    kept = {measure.storage_key(t) for t in inputs}
+    return tracker.peak - before, [told for key, told in tracker.at_peak.items() if key not in kept]
 
 
 KINDS = {"step": _trace, "optimizer step": _optimizer_step}

@@ -21,7 +21,7 @@ CHAPTER = sorted(ROOT_FILES - {"config", "train"})
 MACHINERY = ("ledger", "backends", "guards")  # what the chapter stands on, each a folder: not read to learn it
 ORDER = ["config", *CHAPTER, "train"]  # tools/ come after train and nothing imports them
 FILE_BUDGET = 450  # lines per file: the project's own rule (delete before you split)
-ROOT_BUDGET = 2600  # lines of the chapter's files at the root, together
+ROOT_BUDGET = 2660  # lines of the chapter's files at the root, together (2,600 + the loss in pieces, 60 at most)
 LOOP_BUDGET = 60  # lines of train.train_loop: the loop reads top to bottom
 PRECISION_KEYS = {"precision", "loss_scale", "loss_scale_hysteresis", "loss_scale_growth", "loss_scale_backoff",
                   "loss_scale_interval", "fp8_backend", "fp8_recipe",

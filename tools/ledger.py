@@ -142,6 +142,20 @@ def format_closed_forms(cfg, traced, meas):
     for term, closed_n, n, words in ml.differences(cfg, terms, unmatched):
         lines.append(f"  {term}: {n - closed_n:+,} bytes against the formula:")
         lines += [f"      {w}" for w in words]
+    return lines + loss_lines(cfg)
+
+
+def loss_lines(cfg):
+    """The loss's temporaries at their most (model.GPT.head_and_loss run alone), beside their closed form."""
+    closed = ml.loss_temporaries_closed(cfg.block_size, cfg.batch_size, cfg.vocab_size, cfg.loss_chunks)
+    traced, alive = trace.loss_at_most(cfg)
+    measured = f"{trace.loss_at_most(cfg, fake=False)[0]:14,d}" if cfg.device == "cpu" else f"{'-':>14}"
+    pieces = f", in {cfg.loss_chunks} pieces: bs/{cfg.loss_chunks} rows" if cfg.loss_chunks > 1 else ""
+    lines = [f"{'the loss, at its most':28} {closed:14,d} {traced:14,d} {measured}  3 x 4bsV: the FP32 log-softmax, "
+             f"its gradient from the NLL, the logits' gradient{pieces}"]
+    if traced != closed:
+        lines.append(f"  the loss: {traced - closed:+,} bytes against the formula, alive beside its three tensors:")
+        lines += [f"      {line}" for line in ml.loss_differences(cfg, alive)]
     return lines
 
 
