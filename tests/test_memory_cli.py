@@ -111,7 +111,7 @@ def test_table_has_both_fp8_rows_and_an_fp8_key_needs_fp8(tmp_path, capsys):
 
 SDPA = ["--n_layer=1", "--n_embd=16", "--n_head=1", "--block_size=16", "--batch_size=1", "--attn=sdpa", "--seed=3"]
 PRECISIONS = [(name, shape, precision) for name, shape in (("tiny", TINY), ("sdpa", SDPA))
-              for precision in ("fp32", "bf16", "fp16", "fp8")]
+              for precision in ("fp32", "bf16", "fp16", "fp8")] + [("pieces", TINY + ["--loss_chunks=3"], "fp16")]
 
 
 @pytest.fixture(scope="module")

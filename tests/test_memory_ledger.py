@@ -82,7 +82,11 @@ def test_every_component_exact_for_one_sequence(argv):
                                   ["--precision=fp8", "--fp8_recipe=current", "--ckpt=sqrt"],
                                   ["--ckpt=full", "--ckpt_impl=naive"], ["--ckpt=sqrt", "--ckpt_impl=naive"],
                                   # 24 tokens: HYBRID's weight gradient dequantizes (FP8 GEMMs want multiples of 16)
-                                  ["--precision=fp8", "--fp8_grad=e5m2", "--batch_size=1", "--block_size=24"]])
+                                  ["--precision=fp8", "--fp8_grad=e5m2", "--batch_size=1", "--block_size=24"],
+                                  # the loss in pieces, 5 of 32 rows (uneven) and one row each
+                                  ["--loss_chunks=5", "--precision=fp32", "--ckpt=selective"],
+                                  ["--loss_chunks=32", "--precision=fp8", "--ckpt=full", "--accum=2"],
+                                  ["--loss_chunks=4", "--precision=fp16", "--ckpt=sqrt", "--dropout=0.1"]])
 def test_variants_exact(argv):
     cfg, rows, ok, meas, _ = ledger(argv)
     assert ok, tool.failure(cfg, rows.values())
@@ -383,6 +387,15 @@ def test_cuda_traced_as_measured(prec, ckpt):
     assert low <= meas["forward_growth"] <= high, \
         f"the CUDA allocator grew by {meas['forward_growth']:,} bytes over the forward; the storages it left " \
         f"alive ({sum(meas['forward_storages']):,} bytes) allow {low:,} to {high:,}"
+
+
+@pytest.mark.cuda
+def test_cuda_loss_in_pieces_traced_as_measured():
+    """The FP32 sum of the pieces' weight gradients: one cuBLAS GEMM with an FP32 output (trace.CUDA's rule)."""
+    argv = ["--n_layer=2", "--n_embd=256", "--n_head=4", "--block_size=256", "--batch_size=8", "--vocab_size=50304",
+            "--precision=bf16", "--loss_chunks=16"]
+    cfg, rows, ok, meas, traced = ledger(argv, "cuda")
+    assert ok, tool.failure(cfg, rows.values())
 
 
 @pytest.mark.cuda
