@@ -54,6 +54,11 @@ FILES = {
             meter: Meter
 
 
+        @dataclass
+        class Box:
+            thing: object
+
+
         def passed(x):
             return -x
 
@@ -80,6 +85,14 @@ FILES = {
 
         def annotated(parts: Parts):
             return parts.meter.read()
+
+
+        def boxed(box):
+            return box.thing.grow()
+
+
+        def box_one():
+            return boxed(Box(Grower()))
 
 
         def blind(things):
@@ -161,6 +174,12 @@ def test_a_parameter_annotated_and_a_dataclass_field_are_typed(project):
     count, = read(project, reading.Reading("the annotated", "chapter.py", ("annotated",)))
     assert ("chapter.py", "Meter.read") in count.reached, \
         "parts.meter.read() is not followed, though parts is annotated Parts and Parts.meter a Meter field"
+
+
+def test_a_dataclass_field_is_typed_by_what_its_constructions_pass(project):
+    count, = read(project, reading.Reading("the boxed", "chapter.py", ("boxed",)))
+    assert ("chapter.py", "Grower.grow") in count.reached, \
+        "box.thing.grow() is not followed, though the only Box built holds a Grower()"
 
 
 def test_what_the_code_does_not_type_is_listed_not_guessed(project):

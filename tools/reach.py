@@ -271,14 +271,20 @@ class Project:
         if len(ctx.funcs) > 1 or isinstance(func, ast.Lambda):
             return out
         target = (ctx.module, f"{ctx.cls[1]}.{func.name}" if ctx.cls else func.name)
-        for call, where in self.call_sites(ctx.cls[1] if func.name == "__init__" else func.name) + \
-                self.call_sites("__init__" if func.name == "__init__" else None):
-            refs = self.value(call.func, where)
-            if target in {r[1] for r in refs if r[0] in ("def", "method")} | \
-                    {self.lookup(r[1], "__init__") for r in refs if r[0] == "def" and self.is_class(r[1])}:
-                i, args = passed.index(name), call.args
-                if i < len(args) and not any(isinstance(x, ast.Starred) for x in args[:i + 1]):
-                    out |= self.value(args[i], where)
+        init = func.name == "__init__"
+        sites = self.call_sites(ctx.cls[1] if init else func.name) + self.call_sites("__init__" if init else None)
+        return out | self.given(sites, name, passed.index(name), lambda refs: target in (
+            {r[1] for r in refs if r[0] in ("def", "method")} |
+            {self.lookup(r[1], "__init__") for r in refs if r[0] == "def" and self.is_class(r[1])}))
+
+    def given(self, sites, name, position, calls_it):
+        """What the calls at sites [(call, ctx)] whose function calls_it(its value) pass as `name` (at position)."""
+        out = set()
+        for call, where in sites:
+            if calls_it(self.value(call.func, where)):
+                args = call.args
+                if position < len(args) and not any(isinstance(x, ast.Starred) for x in args[:position + 1]):
+                    out |= self.value(args[position], where)
                 out |= union(self.value(k.value, where) for k in call.keywords if k.arg == name)
         return out
 
@@ -314,9 +320,13 @@ class Project:
         """What an instance of cls holds as `name`: `self.name = ...` in its methods, a class attribute, a field."""
         out = set()
         for c in self.mro(cls)[0]:
+            fields = [s.target.id for s in self.node(c).body if isinstance(s, ast.AnnAssign)]  # a dataclass's
             for item in self.node(c).body:
                 if isinstance(item, ast.AnnAssign) and getattr(item.target, "id", None) == name:
                     out |= {("inst", r[1]) for r in self.value(item.annotation, Ctx(c[0])) if r[0] == "def"}
+                    if not self.lookup(c, "__init__"):  # what its constructions pass
+                        built = lambda refs: ("def", c) in refs  # noqa: E731
+                        out |= self.given(self.call_sites(c[1]), name, fields.index(name), built)
                 elif isinstance(item, ast.Assign) and name in [getattr(t, "id", None) for t in item.targets]:
                     out |= self.value(item.value, Ctx(c[0], (), c, cls))
                 for node in walk_scope(item) if isinstance(item, DEFS) else []:
