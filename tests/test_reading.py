@@ -204,6 +204,7 @@ def test_a_refinement_is_counted_after_the_plain_path(project):
     count, = read(project, refined)
     assert ("pkg/helper.py", "work") not in count.reached, "the plain path follows into its refinement"
     assert len(count.refined) == 4, f"the refinement and what it calls (2 + 2 lines) are not after it: {count.refined}"
+    assert count.cut == ["work"], f"the refinement the plain path calls is not named under the table: {count.cut}"
 
 
 def test_a_budget_is_met_or_says_why(project):

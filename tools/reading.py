@@ -106,6 +106,7 @@ class Count(NamedTuple):
     refined: set  # {(file, line)} its refinements read past the plain path's
     unresolved: list  # its uses of unknown value that may be the project's, in words
     reached: set  # {(file, name)} of the definitions the plain path reads
+    cut: list  # its refinements that the plain path calls: not followed, read after it
 
 
 def counts(paths=None, root=ROOT):
@@ -122,7 +123,20 @@ def counts(paths=None, root=ROOT):
         elsewhere = union(project.lines(t) for t in stopped & others) - lines
         after, _, _ = project.reach([(t, None) for t in sorted(refined)], others | read)
         refined_lines = union(project.lines(t, whole=t in refined) for t in after) - lines
-        out.append(Count(lines, elsewhere, refined_lines, unresolved, {(project.files[m], n) for m, n in read}))
+        out.append(Count(lines, elsewhere, refined_lines, unresolved, {(project.files[m], n) for m, n in read},
+                         cut(project, p, stopped)))
+    return out
+
+
+def cut(project, reading, stopped):
+    """The refinements that a path's plain path calls (of a class: the methods), in the order listed."""
+    out = []
+    for entry in reading.refinements:
+        file, _, name = entry.rpartition(":")
+        module = module_of(project, file or reading.file)
+        methods = [n.split(".", 1)[1] for m, n in sorted(stopped) if m == module and n.startswith(f"{name}.")]
+        if methods or (module, name) in stopped:
+            out.append(f"{name} ({', '.join(methods)})" if methods else name)
     return out
 
 
@@ -165,6 +179,9 @@ def table(paths=None, root=ROOT, found=None):
                 files[file] = files.get(file, 0) + 1
             where = ", ".join(f"{n} of them in `{f}`" for f, n in files.items() if f != p.file)
             rows.append(f"\n*{p.mechanism}*: {len(c.plain)} lines (budget {p.budget}), {where}: {p.why}")
+    cuts = "; ".join(f"*{p.mechanism}*, {', '.join(c.cut)}" for p, c in zip(paths, found) if c.cut)
+    if cuts:
+        rows.append(f"\nWhat plain paths call of their own refinements (read after them, not followed): {cuts}.")
     return "\n".join(rows)
 
 
