@@ -158,11 +158,10 @@ class Project:
         return self.memo[key]
 
     def _value(self, e, ctx):
-        each = self.deref
         if isinstance(e, ast.Name):
             return self.name(e.id, ctx)
         if isinstance(e, ast.Attribute):
-            return union(self.attribute(r, e.attr, ctx) for r in each(self.value(e.value, ctx)))
+            return union(self.attribute(r, e.attr, ctx) for r in self.deref(self.value(e.value, ctx)))
         if isinstance(e, ast.Call):
             called = ast.unparse(e.func)
             if called in ("partial", "functools.partial") and e.args:
@@ -170,11 +169,11 @@ class Project:
             if called == "super":
                 return {("super", ctx)}
             if called in ITEMS and e.args:
-                items = [union(self.items(r) for r in each(self.value(a, ctx))) for a in e.args]
+                items = [union(self.items(r) for r in self.deref(self.value(a, ctx))) for a in e.args]
                 if called in ("zip", "enumerate"):  # tuples of one item of each
                     items = [frozenset({("tuple", (frozenset({EXTERN}),) * (called == "enumerate") + tuple(items))})]
                 return {("tuple", tuple(items))}
-            return union(self.result(r) for r in each(self.value(e.func, ctx)))
+            return union(self.result(r) for r in self.deref(self.value(e.func, ctx)))
         if isinstance(e, (ast.BoolOp, ast.IfExp, ast.NamedExpr)):  # x or y, x if c else y, (x := y)
             parts = e.values if isinstance(e, ast.BoolOp) else [e.value] if isinstance(e, ast.NamedExpr) else \
                 [e.body, e.orelse]
@@ -183,7 +182,7 @@ class Project:
             return {("tuple", tuple(self.value(x, ctx) for x in (e.values if isinstance(e, ast.Dict) else e.elts)))}
         if isinstance(e, ast.Subscript):
             index = e.slice.value if isinstance(e.slice, ast.Constant) else None
-            return union(self.items(r, index) for r in each(self.value(e.value, ctx)))
+            return union(self.items(r, index) for r in self.deref(self.value(e.value, ctx)))
         if isinstance(e, (ast.Constant, ast.JoinedStr, ast.BinOp, ast.UnaryOp, ast.Compare, ast.Lambda)):
             return {EXTERN}  # arithmetic is on tensors and numbers; a lambda is read where it is
         return set()
