@@ -141,7 +141,7 @@ def sum_in_fp32(total, a, b):
     if a.is_cuda and a.dtype != torch.float32:
         total += torch.mm(a, b, out_dtype=torch.float32)
     else:
-        total.addmm_(a.float(), b.float())
+        torch.addmm(total, a.float(), b.float(), out=total)
 
 
 def run_blocks_in_order(blocks, x):
