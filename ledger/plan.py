@@ -298,6 +298,7 @@ class Row:
     step_s: float = None
     tokens: int = 0
     why: str = None
+    loss_chunks: int = 1
     states: int = 0
 
     @property
@@ -306,6 +307,7 @@ class Row:
 
 
 SEARCHED = ("precision", "ckpt", "shard", "attn")  # the keys a plan varies, in Row's order
+LOSS_CHUNKS = (1, 4, 16, 64)  # the loss's pieces tried, in this order, where the whole loss does not fit
 
 
 def configurations(world):
@@ -357,9 +359,16 @@ def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MI
         if gpu.tflops is not None and gpu.tflops[rec.name] is None:
             row.why = f"does not run: {gpu.name} has no {rec.name.upper()} units"
             continue
-        fit(row, one, gpu, world, n, context, batch)
+        # the loss in pieces only where the whole loss does not fit: each piece's logits re-run, a GEMM more
+        for chunks in [fixed["loss_chunks"]] if fixed and "loss_chunks" in fixed else LOSS_CHUNKS:
+            if chunks > one.block_size:
+                break
+            row.why, row.loss_chunks = None, chunks
+            fit(row, replace(one, loss_chunks=chunks), gpu, world, n, context, batch)
+            if row.why is None or row.states > row.budget or row.where == "step":  # the loss is not what stops it
+                break
         if row.why is None:
-            cost(row, one, gpu, world, mfu, cfg.peak_flops)
+            cost(row, replace(one, loss_chunks=row.loss_chunks), gpu, world, mfu, cfg.peak_flops)
     return sorted(rows, key=lambda r: (r.why is not None, -(r.tokens_per_s or 0), r.recompute, r.sent,
                                        -(r.budget - r.reserved)))
 
@@ -414,7 +423,8 @@ def cost(row, one, gpu, world, mfu, peak_flops):
     per_micro_step = lambda p, name: p.ext.figure(name, b) / p.traced_steps  # noqa: E731
     flops = per_micro_step(peaks, "flops") * k
     # the model's FLOPs: no recompute, whatever the sharding (one process's forward and backward)
-    model = per_micro_step(Peaks(replace(one, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", shard="none"), 1,
+    model = per_micro_step(Peaks(replace(one, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", shard="none",
+                                         loss_chunks=1), 1,
                                  1 if k == 1 else 2, (1,) if b == 1 else (2, 3)), "flops") * k
     row.recompute, row.tokens = flops / model - 1, world * b * k * one.block_size
     row.sent = sent(one, peaks, world, b, k)

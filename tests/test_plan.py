@@ -40,7 +40,8 @@ DEEP = dict(n_layer=6, n_embd=32, n_head=2, block_size=64, vocab_size=256, devic
     (dict(precision="fp16", ckpt="sqrt", ckpt_segment=2, n_layer=9), 1, 1), (dict(precision="fp8"), 1, 2),
     (dict(precision="bf16", shard="none", fp32_grad_accum=True), 2, 2), (dict(precision="fp32", shard="zero1"), 2, 1),
     (dict(precision="bf16", shard="zero2", bias=False), 3, 2), (dict(precision="bf16", shard="fsdp", n_layer=7), 2, 1),
-    (dict(precision="fp32", shard="fsdp", ckpt="full", n_layer=7), 2, 2)])
+    (dict(precision="fp32", shard="fsdp", ckpt="full", n_layer=7), 2, 2),
+    (dict(precision="bf16", loss_chunks=4, vocab_size=4096), 1, 2)])
 def test_the_extended_step_is_the_step_traced_whole(over, world, micro_steps):
     """What the plan relies on: traced at 2 and 3 units (4 and 5 under FSDP) and micro-batches 2 and 3, every
     point of the step extends to the full depth and any micro-batch exactly (b = 1 from traces at b = 1)."""
@@ -89,6 +90,20 @@ def test_planned_micro_batch_fits_and_the_next_does_not_as_measured(precision, c
     assert fits == row.peak == row.reserved <= budget < over, \
         f"{precision} {ckpt}: planned b={row.b} peaks at {row.peak:,} bytes, measured {fits:,}; b={row.b + 1} " \
         f"measured {over:,}; budget {budget:,}"
+
+
+def test_the_loss_goes_in_pieces_where_it_does_not_fit_whole():
+    """A vocabulary whose logits outweigh the rest: whole, b=1 does not fit; in 4 pieces it does, measured."""
+    cfg = Config(**{**TINY, "vocab_size": 8192}, precision="bf16", ckpt="none")
+    budget = lp.Peaks(replace(cfg, loss_chunks=4), 1, 1, (1,)).at(1)[0]
+    assert lp.Peaks(cfg, 1, 1, (1,)).at(1)[0] > budget, "the whole loss fits too: no question asked"
+    row = plan_row(cfg, 1, budget, n=1)
+    assert (row.loss_chunks, row.b, row.why) == (4, 1, None), f"planned {row.loss_chunks} pieces, b={row.b} ({row.why})"
+    assert "LOSS_CHUNKS=4" in tool.command(cfg, row, 1)
+    model, parts = train.build(replace(cfg, batch_size=1, loss_chunks=4), torch.device("cpu"))
+    accumulate.accumulation_step(model, parts, [measure.random_batch(cfg, "cpu", 1)])  # the optimizer states
+    measured = measure.measure(model, parts, measure.random_batch(cfg, "cpu", 1), "cpu")["peak"]
+    assert measured == row.peak <= budget, f"in 4 pieces the plan says {row.peak:,} bytes, measured {measured:,}"
 
 
 def test_batch_size_is_asked_not_lowered():

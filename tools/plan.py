@@ -3,7 +3,8 @@
 A tool, not a chapter file: it asks ledger/plan.py (the planner, on the traced step of model.py:
 ledger/trace.py) and prints. For the model shape of the config keys (N_LAYER, N_EMBD, N_HEAD,
 BLOCK_SIZE, VOCAB_SIZE, DROPOUT, BIAS), a GPU, NPROC GPUs and a target batch (TOTAL_BATCH_TOKENS), it
-lists every precision x recompute policy x sharding x attention that fits: the largest micro-batch (or
+lists every precision x recompute policy x sharding x attention that fits (the loss in 4, 16 or 64 pieces,
+LOSS_CHUNKS, where it does not fit whole; "loss" is the pieces): the largest micro-batch (or
 BATCH_SIZE's, where given: does it fit?), the micro-steps to the target batch, the peak as
 torch.cuda.max_memory_allocated, max_memory_reserved and nvidia-smi would show it, the headroom, the
 recompute FLOPs, what a step sends, the step time at a stated MFU; what does not fit or run says why.
@@ -13,7 +14,7 @@ The best row ends with the command that runs it.
     make plan N_LAYER=32 N_EMBD=4096 N_HEAD=32 BLOCK_SIZE=4096 VOCAB_SIZE=32000 NPROC=8 ARGS=--gpu=H200
 
 --gpu is a name of the table (ledger/gpus.py) or a size ("24GiB": what CUDA reports). A key of
-the search given on the command line (PRECISION, CKPT, SHARD, ATTN) fixes it. DEVICE=cpu plans
+the search given on the command line (PRECISION, CKPT, SHARD, ATTN, LOSS_CHUNKS) fixes it. DEVICE=cpu plans
 against a byte budget as this machine measures it (--gpu=<size>; no CUDA context, no allocator):
 what tests/test_plan.py holds to ledger/measure.py. Writes OUT_DIR/plan.svg. Bad input is one line
 'error: ...' and exit status 2, nothing written; no configuration that fits is exit status 1.
@@ -38,7 +39,7 @@ from ledger.measure import SMALL_SIZE  # noqa: E402
 from tools.ledger_report import fmt_bytes  # noqa: E402
 
 SHAPE = ("n_layer", "n_embd", "n_head", "block_size", "vocab_size", "dropout", "bias")
-APPLIES = set(SHAPE + lp.SEARCHED) | {"total_batch_tokens", "device", "out_dir", "peak_flops", "fp32_grad_accum",
+APPLIES = set(SHAPE + lp.SEARCHED) | {"loss_chunks", "total_batch_tokens", "device", "out_dir", "peak_flops", "fp32_grad_accum",
                                    "ckpt_segment", "batch_size"}
 MAKE_NAMES = dict(n_layer="N_LAYER", n_embd="N_EMBD", n_head="N_HEAD", block_size="BLOCK_SIZE",
                   vocab_size="VOCAB_SIZE", dropout="DROPOUT", bias="BIAS", fp32_grad_accum="FP32_GRAD_ACCUM",
@@ -86,7 +87,7 @@ def options(argv):
         raise UsageError(f"--batch_size={cfg.batch_size} does not divide the {target // step_tokens} sequences each "
                          f"GPU takes per step (TOTAL_BATCH_TOKENS={target} over NPROC={opts.nproc} x block_size "
                          f"{cfg.block_size})")
-    return cfg, opts, gpu, target, {k: getattr(cfg, k) for k in lp.SEARCHED if k in named}, \
+    return cfg, opts, gpu, target, {k: getattr(cfg, k) for k in (*lp.SEARCHED, "loss_chunks") if k in named}, \
         cfg.batch_size if "batch_size" in named else None
 
 
@@ -99,6 +100,7 @@ def command(cfg, row, world):
             words.append(f"{MAKE_NAMES[name]}={value}")
     words += [f"PRECISION={row.recipe}", f"CKPT={row.ckpt}", f"ATTN={row.attn}"]
     words += [f"SHARD={row.shard}"] if world > 1 else []
+    words += [f"LOSS_CHUNKS={row.loss_chunks}"] if row.loss_chunks > 1 else []
     words += [f"BATCH_SIZE={row.b}", f"ACCUM={row.accum}"]
     return " ".join(words)
 
@@ -122,15 +124,15 @@ def margin_lines(cfg, gpu, opts):
 
 
 def table(rows):
-    head = (f"{'precision':9} {'ckpt':9} {'shard':5} {'attn':6} {'b':>4} {'K':>4} {'allocated':>10} {'reserved':>10} "
-            f"{'nvidia-smi':>10} {'headroom':>10} {'recompute':>9} {'sent/step':>10} {'step':>8} {'tokens/s':>12}")
+    head = (f"{'precision':9} {'ckpt':9} {'shard':5} {'attn':6} {'loss':>4} {'b':>4} {'K':>4} {'allocated':>10} "
+            f"{'reserved':>10} {'nvidia-smi':>10} {'headroom':>10} {'recompute':>9} {'sent/step':>10} {'step':>8} {'tokens/s':>12}")
     out = [head]
     for r in rows:
         if r.why:
             continue
         step = f"{r.step_s:7.2f}s" if r.step_s else "-"
         speed = f"{r.tokens_per_s:12,.0f}" if r.tokens_per_s else "-"
-        out.append(f"{r.recipe:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.b:4d} {r.accum:4d} "
+        out.append(f"{r.recipe:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.loss_chunks:4d} {r.b:4d} {r.accum:4d} "
                    f"{fmt_bytes(r.allocated):>10} {fmt_bytes(r.reserved):>10} {fmt_bytes(r.smi):>10} "
                    f"{fmt_bytes(r.budget - r.reserved):>10} {100 * r.recompute:+8.1f}% {fmt_bytes(r.sent):>10} "
                    f"{step:>8} {speed:>12}")
@@ -211,7 +213,9 @@ def program(argv):
         print(f"\nbest: {best.recipe} {best.ckpt} {best.shard} {best.attn}, micro-batch {best.b} x {best.accum} "
               f"micro-steps x {world} GPUs; peak at {best.where}\n  {command(cfg, best, world)}")
     print(f"\ndoes not fit or run ({len(rows) - len(fits)}):")
-    print("\n".join(f"  {r.recipe:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.why}" for r in rows if r.why))
+    print("\n".join(f"  {r.recipe:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.why}"
+                    + (f" (the loss in as many as {r.loss_chunks} pieces too)" if r.loss_chunks > 1 else "")
+                    for r in rows if r.why))
     recipe, attn = pictured_pair(rows)
     pictured = [r for r in rows if (r.recipe, r.attn) == (recipe, attn) and (r.peak or r.states)]
     pictured.sort(key=lambda r: (list(checkpoint.POLICIES).index(r.ckpt), SHARDS.index(r.shard)))
