@@ -114,7 +114,8 @@ def per_token(cfg, stop_early=True):
     on one sequence of fake tensors, counted without recompute and with cfg's policy (stop_early: its
     re-runs stop after a unit's last saved tensor, checkpoint.rerun_stops_early). The loss in pieces re-runs
     the head's GEMM in backward: recompute's FLOPs too."""
-    model_flops = _counted(dataclasses.replace(cfg, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", loss_chunks=1), True)
+    whole = dataclasses.replace(cfg, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", loss_chunks=1)
+    model_flops = _counted(whole, True)
     return model_flops, _counted(cfg, stop_early) - model_flops
 
 

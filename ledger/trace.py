@@ -353,8 +353,9 @@ class _Described(measure.LiveTensors):
 
     def _add(self, t):
         self._drop_dead()  # a dead storage's id may be this one's now
-        if isinstance(t, torch.Tensor) and t.device.type == self.device.type and measure.storage_key(t) not in self.live:
-            self.told[measure.storage_key(t)] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        if isinstance(t, torch.Tensor) and t.device.type == self.device.type:
+            if measure.storage_key(t) not in self.live:
+                self.told[measure.storage_key(t)] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
         super()._add(t)
 
     def _counted(self, op=None, grew=False):
@@ -369,7 +370,8 @@ def loss_at_most(cfg, fake=True):
     loss_temporaries_closed states."""
     rec = precision.recipe(cfg)
     with fake_tensors() if fake else contextlib.nullcontext(), cuda_rules(fake and emulated(cfg)):
-        gpt = model.GPT(dataclasses.replace(cfg, n_layer=1), rec.linear_factory()).to(rec.param_dtype)  # no block runs
+        # one block is built, none runs: the head and the loss alone
+        gpt = model.GPT(dataclasses.replace(cfg, n_layer=1), rec.linear_factory()).to(rec.param_dtype)
         x = torch.randn(cfg.batch_size, cfg.block_size, cfg.n_embd, dtype=rec.param_dtype, requires_grad=True)
         targets = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size))
         tracker, inputs = _Described("cpu"), [x, targets, *gpt.parameters(), *gpt.buffers()]

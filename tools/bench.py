@@ -1,21 +1,17 @@
 """Benchmarks (not tests): tokens/s, ms/step, MFU and peak memory per precision, per recompute policy
 (and ours against torch.utils.checkpoint on the same units, their steps in turn in one process:
-measure_pair), compiled blocks against eager (compile: tools/bench_compile.py), DDP step time with and
-without no_sync, FP8 (native, its HYBRID mode, Transformer Engine where installed) against BF16 at
-widths 2048 and 4096 (fp8wide), and the fast configuration a GPU user expects (fast: BF16, the fused
-attention, a GPT-2-124M-like shape), with the peak FLOP/s its MFU divides by named.
-
-Chapter: the "it saves memory *and* speeds up" claims of sections 1-3, measured.
-Read first: `measure_row` (one configuration: the median step after warm-up steps).
-This file exists beside train.py because timing many configurations, each in a
-fresh process so that its peak memory is its own, is a job the trainer does not have.
+measure_pair), compiled blocks against eager (compile: tools/bench_compile.py), the loss whole and in
+pieces (loss: tools/bench_loss.py), DDP step time with and without no_sync, FP8 (native, its HYBRID
+mode, Transformer Engine where installed) against BF16 at widths 2048 and 4096 (fp8wide), and the fast
+configuration a GPU user expects (fast: BF16, the fused attention, a GPT-2-124M-like shape), with the
+peak FLOP/s its MFU divides by named. Chapter: the "it saves memory *and* speeds up" claims of sections
+1-3, measured. Read first: `measure_row` (one configuration: the median step after warm-up steps).
 
     python tools/bench.py [train.py flags as the base config] [--sections=precision,ckpt,compile,memory,...]
                           [--steps=N] [--warmup=N]
 
-Rows go to the screen as a table and to out_dir/bench.jsonl as one JSON object each.
-Peak memory is CUDA's max_memory_allocated on a GPU and the process's peak RSS on CPU
-(which includes the ~0.3 GB the PyTorch runtime itself takes).
+Rows go to the screen as a table and to out_dir/bench.jsonl as one JSON object each. Peak memory is CUDA's
+max_memory_allocated on a GPU and the process's peak RSS on CPU (with the ~0.3 GB of PyTorch's runtime).
 """
 import json
 import os
@@ -47,17 +43,15 @@ from data import Batches, load_tokens, split_tokens  # noqa: E402
 from guards.preflight import check_fits  # noqa: E402
 from guards.files import check_writable, write_atomically  # noqa: E402
 
-SECTIONS = ("precision", "ckpt", "compile", "memory", "ddp", "fp8wide", "fast")
-# fast: what a GPU is for. ATTN=manual stays the teaching default (it keeps the s x s softmax the
-# chapter is about); on a GPU users expect the fused kernel, BF16 and a GPT-2-124M-like shape (12
-# layers, width 768, context 1024; our byte vocabulary makes it 85M parameters). Eager mode.
+SECTIONS = ("precision", "ckpt", "compile", "loss", "memory", "ddp", "fp8wide", "fast")
+# fast: what a GPU is for. ATTN=manual stays the teaching default (the chapter's s x s softmax); on a GPU users
+# expect the fused kernel, BF16, GPT-2-124M's shape (L12 h768 s1024; 85M parameters at our byte vocabulary).
 FAST = ["--precision=bf16", "--attn=sdpa", "--n_layer=12", "--n_embd=768", "--n_head=12", "--block_size=1024",
         "--batch_size=16", "--ckpt=none", "--ckpt_segment=0", "--accum=1", "--total_batch_tokens=0", "--dropout=0"]
 # fp8wide: FP8 pays where the Linears' GEMMs dominate. With FP8_GRAD=bf16 only the forward GEMM,
 # a third of a Linear's FLOPs, is FP8: even at 2x BF16's rate that is at best 1/(2/3 + 1/6) = 1.2x.
 # HYBRID (FP8_GRAD=e5m2, and TE) puts all three GEMMs in FP8: the goal, >= 1.3x BF16's tokens/s
-# at width >= 4096 on an H100/H200. Width: (heads, layers); 2 layers of width 4096 (201M parameters
-# each) give the ratio and keep `make gpu-check` short.
+# at width >= 4096 on an H100/H200. Width: (heads, layers); 2 layers at 4096 keep `make gpu-check` short.
 WIDE = {2048: (16, 4), 4096: (32, 2)}
 # compile: on CPU the default shape (the goals: BF16 >= 1.3x, FP32 >= 1.5x eager's tokens/s); on CUDA the fast one
 COMPILE_ROWS = {True: [("fp32", ["--precision=fp32"]), ("bf16", ["--precision=bf16"]), ("bf16 full", [
@@ -70,7 +64,7 @@ FP8_ROWS = (("fp8", ["--precision=fp8", "--fp8_backend=native", "--fp8_grad=bf16
 
 @dataclass
 class BenchOptions:
-    sections: str = key("precision,ckpt,compile,memory,ddp", "comma-separated: " + ",".join(SECTIONS)
+    sections: str = key("precision,ckpt,compile,loss,memory,ddp", "comma-separated: " + ",".join(SECTIONS)
                         + " (fp8wide and fast are for GPUs: skipped on CPU)")
     steps: int = key(9, "timed optimizer steps per row (the median is reported)", at_least=1)
     warmup: int = key(2, "untimed steps before them", at_least=0)
@@ -283,6 +277,12 @@ def run_sections_once(sections, base, cfg, device, steps, warmup, fp8_error, te_
             flags = ["--ckpt=none", "--ckpt_segment=0", "--attn=manual", *flags] if on_cpu else flags
             row = add("compile", flags, label=label, steps=rounds, script=str(HERE / "tools" / "bench_compile.py"))
             say(row.get("line"), flush=True)
+    if "loss" in sections:  # whole and in pieces at GPT-2's vocabulary, in one process: tools/bench_loss.py
+        planned.append(overridden(base, []))
+        script = f"{HERE}/tools/bench_loss.py"
+        for row in [] if dry else run_row_in_subprocess(planned[-1], rounds, warmup, script=script):
+            rows.append(row)
+            say(row["line"], flush=True)
     if "memory" in sections:
         # a config where activations dominate: long context, bigger micro-batch
         shape = ["--block_size=1024", "--batch_size=16"]

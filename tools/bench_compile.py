@@ -112,8 +112,8 @@ def line(row, label):
                f"compiled one" if row["gemm_share_eager"] is not None else ""))
 
 
-def row_program(argv):
-    """`--row JOB`, tools/bench.py's entry point into this file: its JSON job in, one JSON row out."""
+def job_of(argv, section):
+    """(flags, steps, warmup) of `--row JOB`, as tools/bench.py starts a section's own process, or UsageError."""
     try:
         job = json.loads(argv[0]) if len(argv) == 1 else None
         flags, steps, warmup = job["flags"], job["steps"], job["warmup"]
@@ -123,8 +123,13 @@ def row_program(argv):
         ok = False
     if not ok:
         raise UsageError("--row takes one JSON job {\"flags\": [...], \"steps\": n >= 1, \"warmup\": n >= 0} "
-                         "(tools/bench.py starts it itself; run make bench ARGS=--sections=compile)")
-    print(json.dumps(measure_compiled(flags, steps, warmup)))
+                         f"(tools/bench.py starts it itself; run make bench ARGS=--sections={section})")
+    return flags, steps, warmup
+
+
+def row_program(argv):
+    """`--row JOB`, tools/bench.py's entry point into this file: its JSON job in, one JSON row out."""
+    print(json.dumps(measure_compiled(*job_of(argv, "compile"))))
 
 
 if __name__ == "__main__":

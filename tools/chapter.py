@@ -61,6 +61,7 @@ def run_claims(device, out, opts, say):
     add(sections234.count_allreduces(out))
     add(sections234.saved_bytes_vs_depth(out))
     add(sections234.recompute_cost(device, timed, timed_shape))
+    add(sections234.loss_in_pieces(device, timed, timed_shape))
     add(sections234.states_split(device))
     add(sections234.communication_volume(device))
     claim, extras["table"] = sections234.components_table(device)

@@ -27,7 +27,7 @@ from ledger import comm  # noqa: E402
 from ledger.measure import SavedBytes  # noqa: E402
 from model import GPT  # noqa: E402
 from guards.files import check_writable  # noqa: E402
-from tools import demos, ledger, ledger_ranks, plots  # noqa: E402
+from tools import bench_loss, demos, ledger, ledger_ranks, plots  # noqa: E402
 from tools.chapter_runs import Claim, machine, slow_because, step_seconds, tiny  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,6 +191,24 @@ def recompute_cost(device, steps, shape):
                  "dropout a unit's last MLP projection is not re-run); time near the FLOP ratio on a GPU",
                  0.15 < flops["full"] <= 1 / 3 and near, "" if near else f"{slow_because(device)} is not the FLOP ratio: the recomputed softmax, GELU and "
                  "LayerNorm are elementwise work that the FLOP count leaves out")
+
+
+def loss_in_pieces(device, rounds, shape):
+    """Selective recompute applied to the head: the loss in 16 pieces (LOSS_CHUNKS, model.ChunkedLoss)
+    against whole, at GPT-2's vocabulary, both in one process (tools/bench_loss.py)."""
+    flags = [f"--device={device.type}", "--precision=bf16", "--n_layer=4", "--batch_size=8"] + \
+        [f"--{k}={v}" for k, v in shape.items()]
+    rows = {row["loss_chunks"]: row for row in bench_loss.measure_pieces(flags, rounds, 1)}
+    whole, pieces = rows[1], rows[16]
+    peak, speed = pieces["peak_bytes"] / whole["peak_bytes"], pieces["speed_vs_whole"]
+    return Claim("3", "Selective checkpointing: recompute only the ops that are cheap but have large activations "
+                 "(here the loss's FP32 logits, LOSS_CHUNKS=16)",
+                 f"V={bench_loss.VOCAB:,}: the step's peak x{peak:.2f} ({pieces['peak_bytes']:,} of "
+                 f"{whole['peak_bytes']:,} bytes; the loss at its most {whole['loss_share']:.0%} of the peak whole, "
+                 f"{pieces['loss_share']:.0%} in pieces), tokens/s x{speed:.3f} (median of {rounds} paired steps) on "
+                 f"{machine(device)}", "peak x0.55 at most; tokens/s x0.95 at least (one head GEMM more, the logits "
+                 "written in pieces)", peak <= 0.55 and speed >= 0.95,
+                 "" if speed >= 0.95 else f"{slow_because(device)}: the re-run GEMM costs more than the pieces save")
 
 
 # ---------------------------------------------------------------- section 4: the whole picture

@@ -39,8 +39,8 @@ from ledger.measure import SMALL_SIZE  # noqa: E402
 from tools.ledger_report import fmt_bytes  # noqa: E402
 
 SHAPE = ("n_layer", "n_embd", "n_head", "block_size", "vocab_size", "dropout", "bias")
-APPLIES = set(SHAPE + lp.SEARCHED) | {"loss_chunks", "total_batch_tokens", "device", "out_dir", "peak_flops", "fp32_grad_accum",
-                                   "ckpt_segment", "batch_size"}
+APPLIES = set(SHAPE + lp.SEARCHED) | {"loss_chunks", "total_batch_tokens", "device", "out_dir", "peak_flops",
+                                   "fp32_grad_accum", "ckpt_segment", "batch_size"}
 MAKE_NAMES = dict(n_layer="N_LAYER", n_embd="N_EMBD", n_head="N_HEAD", block_size="BLOCK_SIZE",
                   vocab_size="VOCAB_SIZE", dropout="DROPOUT", bias="BIAS", fp32_grad_accum="FP32_GRAD_ACCUM",
                   ckpt_segment="CKPT_SEGMENT")
@@ -125,7 +125,8 @@ def margin_lines(cfg, gpu, opts):
 
 def table(rows):
     head = (f"{'precision':9} {'ckpt':9} {'shard':5} {'attn':6} {'loss':>4} {'b':>4} {'K':>4} {'allocated':>10} "
-            f"{'reserved':>10} {'nvidia-smi':>10} {'headroom':>10} {'recompute':>9} {'sent/step':>10} {'step':>8} {'tokens/s':>12}")
+            f"{'reserved':>10} {'nvidia-smi':>10} {'headroom':>10} {'recompute':>9} {'sent/step':>10} {'step':>8} "
+            f"{'tokens/s':>12}")
     out = [head]
     for r in rows:
         if r.why:
