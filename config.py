@@ -78,7 +78,7 @@ class Config:
     beta1: float = key(0.9, "AdamW beta1, in [0, 1)", at_least=0.0)
     beta2: float = key(0.95, "AdamW beta2, in [0, 1)", at_least=0.0)
     grad_clip: float = key(1.0, "clip the gradient norm to this; 0 = off", at_least=0.0)
-    # precision (precision.py, fp8.py, backends/fp8_te.py): read only by precision.recipe()
+    # precision (precision.py, fp8.py, backends/fp8_te.py): read only by precision.decide()
     precision: str = key("bf16", "parameter/activation dtype; fp8 = bf16 with FP8 Linear matmuls", PRECISIONS)
     loss_scale: str = key("auto", "auto (dynamic for fp16, else none) | dynamic | none | a number")
     loss_scale_hysteresis: int = key(1, "the dynamic scale backs off at this many overflows (1: at the first)",

@@ -17,7 +17,7 @@ from backends.fp8_gemm import E4M3, E5M2, dequantize, fp8_max, scaled_mm
 
 @dataclass(frozen=True)
 class Settings:
-    """The FP8 choices of a run, made once by precision.recipe() from the fp8_* keys."""
+    """The FP8 choices of a run, made once by precision.decide() from the fp8_* keys."""
     backend: str = "native"  # native (this file) | te (Transformer Engine, backends/fp8_te.py)
     scaling: str = "delayed"  # FP8_RECIPE: delayed (scale from an amax history) | current (this tensor's amax)
     history: int = 16  # amax history length (delayed)

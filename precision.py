@@ -1,8 +1,8 @@
-"""Mixed precision by hand: FP32 master weights, the loss scaler, and the recipe that decides it all.
+"""Mixed precision by hand: FP32 master weights, the loss scaler, and what PRECISION decides, decided once.
 
 Chapter section 1. Read first: `MasterWeightOptimizer` (the BF16 workflow: forward and backward on
 16-bit parameters, AdamW on an FP32 master copy), then `LossScaler` (why FP16 needs it and BF16 does
-not: `make underflow` measures it), then `recipe` (everything PRECISION decides, decided once).
+not: `make underflow` measures it), then `decide` (everything PRECISION decides, as one `Precision`).
 
 One optimizer step: the 16-bit gradients are cast up into FP32 and the loss scaler unscales them; one
 reduction gives the norm for clipping and the scaler's inf/NaN check; AdamW steps the FP32 master copy;
@@ -227,13 +227,13 @@ def not_written_by(scaler, state):
     return None
 
 
-# ---------------------------------------------------------------- the recipe: PRECISION, decided once
+# ---------------------------------------------------------------- PRECISION, decided once
 
 PARAM_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
-def recipe(cfg):
-    """The Recipe for cfg: the one place that reads precision, loss_scale* and fp8_*."""
+def decide(cfg):
+    """The Precision of cfg: the one place that reads precision, loss_scale* and fp8_*."""
     scaling, static_scale = cfg.loss_scale, 2.0 ** 16
     if scaling == "auto":  # FP16's range needs scaling; BF16's (FP32's exponent) does not
         scaling = "dynamic" if cfg.precision == "fp16" else "none"
@@ -244,14 +244,14 @@ def recipe(cfg):
         settings = fp8.Settings(backend=cfg.fp8_backend, scaling=cfg.fp8_recipe, history=cfg.fp8_amax_history,
                                 margin=cfg.fp8_margin, grad=cfg.fp8_grad)
     dtype = PARAM_DTYPE[cfg.precision]
-    return Recipe(name=cfg.precision, param_dtype=dtype, master_weights=dtype != torch.float32,
+    return Precision(name=cfg.precision, param_dtype=dtype, master_weights=dtype != torch.float32,
                   loss_scaling=scaling, static_scale=static_scale, hysteresis=cfg.loss_scale_hysteresis,
                   growth=(cfg.loss_scale_growth, cfg.loss_scale_backoff, cfg.loss_scale_interval), fp8=settings)
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """What a PRECISION means for every other file. Built once by `recipe(cfg)`; nothing
+class Precision:
+    """What a PRECISION means for every other file. Built once by `decide(cfg)`; nothing
     else reads the precision keys of the config."""
     name: str  # fp32|bf16|fp16|fp8, for the log
     param_dtype: torch.dtype  # parameters, so activations and gradients too
@@ -311,7 +311,7 @@ class Recipe:
                           backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=self.hysteresis)
 
     def check_device(self, device):
-        """Raise ValueError where this recipe cannot run on `device` (FP8 needs its matmul)."""
+        """Raise ValueError where this precision cannot run on `device` (FP8 needs its matmul)."""
         if self.fp8 is not None and self.fp8.backend == "te":
             fp8_te.check_available(device)
         elif self.fp8 is not None and (why := fp8_gemm.fp8_matmul_error(device)):

@@ -5,7 +5,7 @@ Function; the scales, the amax history and the forward GEMM are fp8.py's, unchan
   the FP8 weight, once per optimizer step: quantized at micro-step 1 and reused by micro-steps 2..K
     and by every recompute's re-run (TE's is_first_microbatch): ACCUM=K quantizes W once, not K times.
   HYBRID (fp8_grad=e5m2, TE's format): the output gradient in E5M2, the two backward GEMMs in FP8.
-precision.Recipe builds this FP8Linear (linear_factory) and sets its weight_mode around every forward
+precision.Precision builds this FP8Linear (linear_factory) and sets its weight_mode around every forward
 (forward_context: weight_copies) and every re-run (recompute_contexts: Rerun). docs/fp8.md: the memory.
 """
 from contextlib import contextmanager
@@ -44,7 +44,7 @@ class Rerun:
     """Around a recompute unit's re-run in backward (checkpoint.Unit.rerun): each FP8 Linear of the
     unit uses the weight its forward used (the kept copy, or a fresh one where the forward
     quantized afresh) and records no amax: the same bits, and the state moves once per real
-    forward. Made at the unit's forward (precision.Recipe.recompute_contexts), so it knows the
+    forward. Made at the unit's forward (precision.Precision.recompute_contexts), so it knows the
     mode each layer had then; entered in backward, when the forward's context is long closed."""
 
     def __init__(self, fp8_layers):

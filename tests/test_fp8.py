@@ -487,13 +487,13 @@ def test_fp8_cpu_gemm_equals_torch_scaled_mm(shape, dtypes, out):
 # ---------------------------------------------------------------- the FP8 weight: once per optimizer step
 
 class FreshEveryForward:
-    """A recipe stand-in whose forwards all quantize W afresh (mode "fresh"): the reference."""
+    """A Precision stand-in whose forwards all quantize W afresh (mode "fresh"): the reference."""
 
-    def __init__(self, recipe):
-        self.recipe = recipe
+    def __init__(self, prec):
+        self.precision = prec
 
     def forward_context(self, model, micro_step=None):
-        return self.recipe.forward_context(model)
+        return self.precision.forward_context(model)
 
 
 def count_weight_quantizations(monkeypatch, model):
@@ -513,7 +513,7 @@ def test_fp8_weights_quantized_once_per_optimizer_step(tmp_path, monkeypatch, gr
     cfg = tiny_cfg(tmp_path, "--precision=fp8", f"--fp8_grad={grad}", f"--ckpt={ckpt}", "--batch_size=2")
     model, parts = train.build(cfg, torch.device("cpu"))
     ref_model, ref_parts = train.build(cfg, torch.device("cpu"))
-    ref_parts.recipe = FreshEveryForward(ref_parts.recipe)
+    ref_parts.precision = FreshEveryForward(ref_parts.precision)
     seen, weights = count_weight_quantizations(monkeypatch, model)
     batches, kept, copies, alive_in_adamw = batches_of(cfg), [], [], []
 
@@ -609,7 +609,7 @@ def test_fp8_model_gradients_reach_every_parameter(tmp_path):
             assert all(p.dtype == torch.bfloat16 for p in model.parameters())
             assert all(m.dtype == torch.float32 for m in parts.optimizer.master_params)
         x, y = batches_of(cfg).next()
-        with parts.recipe.forward_context(model):
+        with parts.precision.forward_context(model):
             _, loss = model(x, y)
         parts.scaler.backward(loss)
         grads[prec] = {n: p.grad for n, p in model.named_parameters()}
@@ -642,7 +642,7 @@ def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe):
         for step in range(3):
             calls.clear()
             x, y = batches.next()
-            with parts.recipe.forward_context(model):
+            with parts.precision.forward_context(model):
                 _, loss = model(x, y)
             parts.scaler.backward(loss)
             grads.append([p.grad.clone() for p in model.parameters()])
@@ -752,7 +752,7 @@ def test_te_linears_are_told_the_micro_step(tmp_path, fake_te):
     assert [e[1] for e in linear] == [True] * n + [False] * 2 * n
     assert all(e[3] == 1 for e in linear)  # every forward inside TE's FP8 autocast
     events.clear()
-    with torch.no_grad(), parts.recipe.forward_context(model):  # evaluation: no micro-step, as before
+    with torch.no_grad(), parts.precision.forward_context(model):  # evaluation: no micro-step, as before
         model(*batches.next())
     assert [e[1] for e in events if e[0] == "linear"] == [None] * n
 
@@ -768,7 +768,7 @@ def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fak
     returned = []
     for layer in fp8.layers(model):
         layer.register_forward_hook(lambda *_: returned.append(checkpoint.is_recomputing()))
-    assert not parts.recipe.rerun_stops_early
+    assert not parts.precision.rerun_stops_early
     accumulate.accumulation_step(model, parts, [batches.next() for _ in range(2)])
     assert returned.count(True) == 2 * n  # every layer's re-run returned, the units' last ones too
     linear = [e for e in events if e[0] == "linear"]
@@ -784,7 +784,7 @@ def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fak
     rerun_starts = [i for i, e in enumerate(events) if e == ("phase", True)]
     assert all(events[i + 1] == ("autocast",) for i in rerun_starts)
     events.clear()
-    with torch.no_grad(), parts.recipe.forward_context(model):  # evaluation: no backward, so no recompute flags
+    with torch.no_grad(), parts.precision.forward_context(model):  # evaluation: no backward, so no recompute flags
         model(*batches.next())
     assert not [e for e in events if e[0] == "phase"] and len([e for e in events if e[0] == "linear"]) == n
 
@@ -906,7 +906,7 @@ def test_te_backend_trains_on_gpu(tmp_path):
     te = te_or_skip()
     cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", "--device=cuda", "--n_embd=64", "--max_iters=30")
     model, parts = train.build(cfg)
-    assert any(isinstance(m, te.Linear) for m in model.modules()) and parts.recipe.fp8.backend == "te"
+    assert any(isinstance(m, te.Linear) for m in model.modules()) and parts.precision.fp8.backend == "te"
     losses, _ = run_losses(tmp_path, "--precision=fp8", "--fp8_backend=te", "--device=cuda", "--n_embd=64",
                            "--max_iters=30")
     assert losses[-1] < losses[0] - 1.0
@@ -939,6 +939,6 @@ def test_te_caches_the_fp8_weight_only_under_accumulation(tmp_path):
     assert all(len(m._fp8_workspaces) > 0 for m in linears)  # the weight, cached by is_first_microbatch
     cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", "--device=cuda", "--n_embd=64")
     fresh, fresh_parts = train.build(cfg)
-    with torch.no_grad(), fresh_parts.recipe.forward_context(fresh):  # evaluation: nothing cached
+    with torch.no_grad(), fresh_parts.precision.forward_context(fresh):  # evaluation: nothing cached
         fresh(*data.Batches(data.load_tokens(""), cfg.block_size, cfg.batch_size, 0, torch.device("cuda")).next())
     assert all(len(m._fp8_workspaces) == 0 for m in fresh.modules() if isinstance(m, te.Linear))

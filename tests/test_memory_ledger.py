@@ -248,10 +248,10 @@ def test_sixteen_bytes_per_param_for_mixed_precision_adam():
 
 
 def linear_weights(cfg):
-    """(elements of every FP8 Linear's weight, how many) of model.GPT as cfg's recipe builds it, on the meta
+    """(elements of every FP8 Linear's weight, how many) of model.GPT as precision.decide(cfg) builds it, on the meta
     device: the Linears the FP8 factory made (an untied head a learner adds stays a BF16 nn.Linear)."""
     with torch.device("meta"):
-        gpt = model.GPT(cfg, precision.recipe(cfg).linear_factory())
+        gpt = model.GPT(cfg, precision.decide(cfg).linear_factory())
     sizes = [m.weight.numel() for m in fp8.layers(gpt)]
     return sum(sizes), len(sizes)
 
