@@ -51,7 +51,7 @@ def accumulation_step(model, parts, micro_batches, loss_norm="mean", use_no_sync
         if isinstance(model, fsdp.FSDPModule):
             model.set_requires_gradient_sync(sync)
         with model.no_sync() if ddp and not sync else nullcontext():
-            with parts.precision.forward_context(model, micro_step=i):  # FP8: W quantized at micro-step 0 only
+            with parts.precision.forward_context(model, micro_step=i):  # FP8_KEEP_WEIGHT: W quantized at micro-step 0 only
                 loss = model(x, y)[1]
             parts.scaler.backward(loss * weights[i])  # the gradients add up in .grad
         if parts.grad_buffers is not None:

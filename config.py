@@ -94,6 +94,8 @@ class Config:
     fp8_margin: int = key(0, "scale = fp8_max / amax / 2**margin (E4M3 spans about 18 binades: at most 16)",
                           at_least=0, at_most=16)
     fp8_grad: str = key("bf16", "backward in bf16 (the chapter) or gradients in FP8 E5M2 (TE's HYBRID)", FP8_GRADS)
+    fp8_keep_weight: bool = key(False, "quantize each FP8 weight once per optimizer step and reuse it in micro-steps "
+                                       "2..K and recompute re-runs (TE's is_first_microbatch); off: every forward")
     # activation checkpointing (checkpoint.py)
     ckpt: str = key("none", "what backward recomputes instead of keeping: a policy of checkpoint.POLICIES")
     ckpt_segment: int = key(0, "blocks per recompute unit for ckpt=sqrt; 0 = round(sqrt(n_layer))", at_least=0)
@@ -186,7 +188,8 @@ def check_meaningful(cfg):
     """Keys that would be silently ignored by this config are refused instead."""
     defaults = Config()
     if cfg.precision != "fp8":
-        changed = [k for k in ("fp8_backend", "fp8_recipe", "fp8_amax_history", "fp8_margin", "fp8_grad")
+        changed = [k for k in ("fp8_backend", "fp8_recipe", "fp8_amax_history", "fp8_margin", "fp8_grad",
+                                "fp8_keep_weight")
                    if getattr(cfg, k) != getattr(defaults, k)]
         if changed:
             raise UsageError(f"--{changed[0]} applies to precision=fp8 only, this run has precision={cfg.precision}")

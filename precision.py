@@ -242,7 +242,7 @@ def decide(cfg):
     settings = None
     if cfg.precision == "fp8":
         settings = fp8.Settings(backend=cfg.fp8_backend, scaling=cfg.fp8_recipe, history=cfg.fp8_amax_history,
-                                margin=cfg.fp8_margin, grad=cfg.fp8_grad)
+                                margin=cfg.fp8_margin, grad=cfg.fp8_grad, keep_weight=cfg.fp8_keep_weight)
     dtype = PARAM_DTYPE[cfg.precision]
     return Precision(name=cfg.precision, param_dtype=dtype, master_weights=dtype != torch.float32,
                   loss_scaling=scaling, static_scale=static_scale, hysteresis=cfg.loss_scale_hysteresis,
@@ -268,32 +268,42 @@ class Precision:
         return torch.empty((), dtype=self.param_dtype).element_size()
 
     def linear_factory(self):
-        """What model.GPT builds each Linear with."""
+        """What model.GPT builds each Linear with: under fp8, fp8.py's FP8Linear unless a refinement is on."""
         if self.fp8 is None:
             return default_linear
         if self.fp8.backend == "te":
             return fp8_te.linear_factory(self.fp8)
-        return functools.partial(fp8_refined.FP8Linear, recipe=self.fp8.scaling, amax_history=self.fp8.history,
-                                 margin=self.fp8.margin, grad=self.fp8.grad)
+        scaling = dict(recipe=self.fp8.scaling, amax_history=self.fp8.history, margin=self.fp8.margin)
+        # the refinements, a flag each (backends/fp8_refined.py); with neither, the chapter's own layer:
+        #   FP8_KEEP_WEIGHT=true: W quantized once per optimizer step (forward_context, recompute_contexts)
+        #   FP8_GRAD=e5m2: the output gradient in E5M2, both backward GEMMs in FP8 (TE's HYBRID)
+        # not a refinement: the GEMM's CPU stand-in (fp8_gemm.scaled_mm) is how any FP8 matmul runs on a CPU
+        if self.fp8.keep_weight or self.fp8.grad == "e5m2":
+            return functools.partial(fp8_refined.FP8Linear, grad=self.fp8.grad, **scaling)
+        return functools.partial(fp8.FP8Linear, **scaling)
 
     def forward_context(self, model, micro_step=None):
         """Entered around every forward of `model`, like torch.autocast. micro_step: its index in the
-        optimizer step (None outside one: evaluation, sampling). FP8: which FP8 weight each Linear uses
-        (fp8_refined.WEIGHT_MODES: quantized at micro-step 0 only), and TE's FP8 autocast (fp8_backend=te)."""
+        optimizer step (None outside one: evaluation, sampling). FP8: TE's FP8 autocast (fp8_backend=te)
+        and, with FP8_KEEP_WEIGHT, which FP8 weight each Linear uses (fp8_refined.WEIGHT_MODES)."""
         if self.fp8 is None:
             return nullcontext()
-        mode = "fresh" if micro_step is None else "refresh" if micro_step == 0 else "reuse"
         te_autocast = fp8_te.autocast(self.fp8) if self.fp8.backend == "te" else nullcontext()
+        if not self.fp8.keep_weight:  # every forward quantizes W afresh (te: is_first_microbatch=None)
+            return te_autocast
+        # FP8_KEEP_WEIGHT: W quantized at micro-step 0 and kept, reused by micro-steps 1..K-1
+        mode = "fresh" if micro_step is None else "refresh" if micro_step == 0 else "reuse"
         return _all_of(fp8_refined.weight_copies(fp8.layers(model), mode), te_autocast)
 
     def recompute_contexts(self, modules):
-        """(around a recompute unit's forward, around its re-run) for the unit made of `modules`: the
-        re-run uses the FP8 weight its forward used and records no amax (fp8_refined.Rerun); under TE
-        it re-enters TE's FP8 autocast with TE's recompute-phase flags (fp8_te.recompute_contexts)."""
+        """(around a recompute unit's forward, around its re-run) for the unit made of `modules`. A re-run
+        sees the forward's tensors and scales: it quantizes them to the same bytes. FP8_KEEP_WEIGHT: it
+        uses the FP8 weight its forward used and records no amax (fp8_refined.Rerun). Under TE it
+        re-enters TE's FP8 autocast with TE's recompute-phase flags (fp8_te.recompute_contexts)."""
         fp8_layers = [m for module in modules for m in fp8.layers(module)]
         if self.fp8 is None or not fp8_layers:  # a unit with no FP8 Linear (the attention core) needs nothing
             return nullcontext(), nullcontext()
-        rerun = fp8_refined.Rerun(fp8_layers)
+        rerun = fp8_refined.Rerun(fp8_layers) if self.fp8.keep_weight else nullcontext()
         if self.fp8.backend != "te":
             return nullcontext(), rerun
         around_forward, around_rerun = fp8_te.recompute_contexts(self.fp8)

@@ -510,7 +510,8 @@ def count_weight_quantizations(monkeypatch, model):
 
 @pytest.mark.parametrize("grad,ckpt", [("bf16", "none"), ("e5m2", "none"), ("bf16", "full"), ("e5m2", "sqrt")])
 def test_fp8_weights_quantized_once_per_optimizer_step(tmp_path, monkeypatch, grad, ckpt):
-    cfg = tiny_cfg(tmp_path, "--precision=fp8", f"--fp8_grad={grad}", f"--ckpt={ckpt}", "--batch_size=2")
+    cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_keep_weight=true", f"--fp8_grad={grad}", f"--ckpt={ckpt}",
+                   "--batch_size=2")
     model, parts = train.build(cfg, torch.device("cpu"))
     ref_model, ref_parts = train.build(cfg, torch.device("cpu"))
     ref_parts.precision = FreshEveryForward(ref_parts.precision)
@@ -579,7 +580,7 @@ def test_fp8_refined_layer_computes_the_plain_recipe_bit_for_bit(recipe):
             y_plain.backward(g)
             y_refined.backward(g)
             assert torch.equal(x_plain.grad, x_refined.grad)
-        assert refined.weight_copy is not None and plain.weight_copy is None  # only the refined layer keeps W
+        assert refined.weight_copy is not None and not hasattr(plain, "weight_copy")  # only the refined keeps W
         for name in ("weight", "bias"):
             assert torch.equal(getattr(plain, name).grad, getattr(refined, name).grad), (step, name)
         fp8.release_weight_copies([plain, refined])
@@ -628,11 +629,15 @@ def test_fp8_training_reduces_loss_and_tracks_bf16(tmp_path, bf16_losses, extra)
     assert abs(tail(losses) - tail(bf16_losses)) < 0.1
 
 
+@pytest.mark.parametrize("keep", ["false", "true"])
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
-def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe):
+def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe, keep):
+    """fp8.py's layer (keep false): a re-run quantizes the same tensors with the same scales, and folds the same
+    amax into step_amax again, a max that changes nothing. FP8_KEEP_WEIGHT's: the re-run records no amax."""
     runs = {}
     for ckpt in ("none", "full"):
-        cfg = tiny_cfg(tmp_path, "--precision=fp8", f"--fp8_recipe={recipe}", "--fp8_margin=1", f"--ckpt={ckpt}")
+        cfg = tiny_cfg(tmp_path, "--precision=fp8", f"--fp8_recipe={recipe}", "--fp8_margin=1", f"--ckpt={ckpt}",
+                       f"--fp8_keep_weight={keep}")
         model, parts = train.build(cfg, torch.device("cpu"))
         calls = []  # (module, recomputing?, output) per FP8Linear forward
         for m in parts.fp8_layers:
@@ -646,7 +651,7 @@ def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe):
                 _, loss = model(x, y)
             parts.scaler.backward(loss)
             grads.append([p.grad.clone() for p in model.parameters()])
-            records.append([m.recorded_forwards for m in parts.fp8_layers])
+            records.append([(m.step_amax.clone(), getattr(m, "recorded_forwards", 1)) for m in parts.fp8_layers])
             if ckpt == "full":
                 # every FP8 forward ran twice, but a unit's last one never returns from its re-run: the
                 # re-run stops as that layer's Function saves its tensors, the last ones the unit saves
@@ -661,8 +666,10 @@ def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe):
                       parts.fp8_layers)
     for g_none, g_full in zip(runs["none"][0], runs["full"][0]):
         assert all(torch.equal(a, b) for a, b in zip(g_none, g_full))
-    # one recorded forward per module per step, with or without recompute
-    assert runs["none"][1] == runs["full"][1] == [[1] * len(runs["none"][3])] * 3
+    # the same step amax, and (keep-weight's layer) one recorded forward per module per step, re-run or not
+    for step_none, step_full in zip(runs["none"][1], runs["full"][1]):
+        assert all(torch.equal(a, b) and n == f == 1 for (a, n), (b, f) in zip(step_none, step_full))
+    assert all(isinstance(m, fp8_refined.FP8Linear) == (keep == "true") for m in runs["full"][3])
     for s_none, s_full in zip(runs["none"][2], runs["full"][2]):
         assert all(torch.equal(s_none[k], s_full[k]) for k in s_none)
     # the history moved once per step: 3 rows filled, and the delayed scale is TE's formula
@@ -741,15 +748,17 @@ def fake_te(monkeypatch):
     fp8_te._te_recipe.cache_clear()
 
 
-def test_te_linears_are_told_the_micro_step(tmp_path, fake_te):
+@pytest.mark.parametrize("keep", ["false", "true"])
+def test_te_linears_are_told_the_micro_step(tmp_path, fake_te, keep):
     _, events = fake_te
-    cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te")
+    cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", f"--fp8_keep_weight={keep}")
     model, parts = train.build(cfg, torch.device("cpu"))
     n, batches = len(fp8.layers(model)), batches_of(cfg)
     accumulate.accumulation_step(model, parts, [batches.next() for _ in range(3)])
     linear = [e for e in events if e[0] == "linear"]
-    # TE caches the FP8 weight on micro-step 1 and reuses it after (is_first_microbatch)
-    assert [e[1] for e in linear] == [True] * n + [False] * 2 * n
+    # FP8_KEEP_WEIGHT: TE caches the FP8 weight on micro-step 1 and reuses it after (is_first_microbatch);
+    # without it, None: TE's default, the weight quantized in every forward
+    assert [e[1] for e in linear] == ([True] * n + [False] * 2 * n if keep == "true" else [None] * 3 * n)
     assert all(e[3] == 1 for e in linear)  # every forward inside TE's FP8 autocast
     events.clear()
     with torch.no_grad(), parts.precision.forward_context(model):  # evaluation: no micro-step, as before
@@ -757,10 +766,12 @@ def test_te_linears_are_told_the_micro_step(tmp_path, fake_te):
     assert [e[1] for e in events if e[0] == "linear"] == [None] * n
 
 
+@pytest.mark.parametrize("keep", ["false", "true"])
 @pytest.mark.parametrize("ckpt", ["full", "sqrt"])
-def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fake_te, ckpt):
+def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fake_te, ckpt, keep):
     _, events = fake_te
-    cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", f"--ckpt={ckpt}", "--n_layer=4")
+    cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", f"--ckpt={ckpt}", "--n_layer=4",
+                   f"--fp8_keep_weight={keep}")
     model, parts = train.build(cfg, torch.device("cpu"))
     n, batches = len(fp8.layers(model)), batches_of(cfg)
     units = len(checkpoint.POLICIES[ckpt]().block_units(cfg.n_layer))
@@ -777,9 +788,10 @@ def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fak
     assert len(first) == len(again) == 2 * n and len(linear) == 4 * n
     # the forward inside activation_recompute_forward(recompute_phase=False) and the autocast;
     # the re-run inside recompute_phase=True and the autocast again (TE's checkpoint order),
-    # reusing the weight its forward cached
-    assert [e[1] for e in first] == [True] * n + [False] * n
-    assert all(e[1] is False and e[3] == 1 for e in again) and all(e[3] == 1 for e in first)
+    # reusing the weight its forward cached (FP8_KEEP_WEIGHT), else quantizing it afresh as the forward did
+    cached = keep == "true"
+    assert [e[1] for e in first] == ([True] * n + [False] * n if cached else [None] * 2 * n)
+    assert all(e[1] is (False if cached else None) and e[3] == 1 for e in again) and all(e[3] == 1 for e in first)
     assert [e for e in events if e[0] == "phase"].count(("phase", True)) == 2 * units
     rerun_starts = [i for i, e in enumerate(events) if e == ("phase", True)]
     assert all(events[i + 1] == ("autocast",) for i in rerun_starts)
@@ -891,12 +903,13 @@ def test_native_fp8_on_gpu_matches_cpu(cls):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("keep", ["false", "true"])
 @pytest.mark.parametrize("grad", ["bf16", "e5m2"])
-def test_native_fp8_recompute_on_gpu_gives_the_same_gradients(tmp_path, grad):
+def test_native_fp8_recompute_on_gpu_gives_the_same_gradients(tmp_path, grad, keep):
     if fp8_gemm.fp8_matmul_error("cuda"):
         pytest.skip(fp8_gemm.fp8_matmul_error("cuda"))
-    (none,), model = cuda_run(tmp_path, f"--fp8_grad={grad}")
-    (full,), _ = cuda_run(tmp_path, f"--fp8_grad={grad}", "--ckpt=full")
+    (none,), model = cuda_run(tmp_path, f"--fp8_grad={grad}", f"--fp8_keep_weight={keep}")
+    (full,), _ = cuda_run(tmp_path, f"--fp8_grad={grad}", f"--fp8_keep_weight={keep}", "--ckpt=full")
     linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, FP8Linear)}
     assert_same_gradients(none, full, linears)
 
@@ -932,11 +945,13 @@ def test_te_recompute_gives_the_same_gradients_and_history(tmp_path, ckpt):
 @pytest.mark.cuda
 def test_te_caches_the_fp8_weight_only_under_accumulation(tmp_path):
     te = te_or_skip()
-    _, model = cuda_run(tmp_path, "--fp8_backend=te")
+    _, model = cuda_run(tmp_path, "--fp8_backend=te", "--fp8_keep_weight=true")
     linears = [m for m in model.modules() if isinstance(m, te.Linear)]
     if not all(hasattr(m, "_fp8_workspaces") for m in linears):
         pytest.skip("this Transformer Engine keeps no _fp8_workspaces")
     assert all(len(m._fp8_workspaces) > 0 for m in linears)  # the weight, cached by is_first_microbatch
+    _, uncached = cuda_run(tmp_path, "--fp8_backend=te")  # no FP8_KEEP_WEIGHT: is_first_microbatch=None
+    assert all(len(m._fp8_workspaces) == 0 for m in uncached.modules() if isinstance(m, te.Linear))
     cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", "--device=cuda", "--n_embd=64")
     fresh, fresh_parts = train.build(cfg)
     with torch.no_grad(), fresh_parts.precision.forward_context(fresh):  # evaluation: nothing cached

@@ -25,7 +25,7 @@ ROOT_BUDGET = 2600  # lines of the chapter's files at the root, together
 LOOP_BUDGET = 60  # lines of train.train_loop: the loop reads top to bottom
 PRECISION_KEYS = {"precision", "loss_scale", "loss_scale_hysteresis", "loss_scale_growth", "loss_scale_backoff",
                   "loss_scale_interval", "fp8_backend", "fp8_recipe",
-                  "fp8_amax_history", "fp8_margin", "fp8_grad"}
+                  "fp8_amax_history", "fp8_margin", "fp8_grad", "fp8_keep_weight"}
 
 
 def project_files():
@@ -144,7 +144,7 @@ def test_precision_keys_are_read_in_one_place():
     ("fp32", torch.float32, False, "none", torch.nn.Linear),
     ("bf16", torch.bfloat16, True, "none", torch.nn.Linear),
     ("fp16", torch.float16, True, "dynamic", torch.nn.Linear),
-    ("fp8", torch.bfloat16, True, "none", fp8_refined.FP8Linear),
+    ("fp8", torch.bfloat16, True, "none", fp8.FP8Linear),  # fp8.py's own: no refinement is on
 ])
 def test_what_each_precision_decides(prec, dtype, master, scaler, linear):
     decided = precision.decide(Config(precision=prec))
@@ -156,6 +156,15 @@ def test_what_each_precision_decides(prec, dtype, master, scaler, linear):
     assert (decided.fp8 is not None) == (prec == "fp8")
     if prec != "fp8":
         assert decided.linear_factory() is default_linear
+
+
+@pytest.mark.parametrize("flags,linear", [({}, fp8.FP8Linear), (dict(fp8_keep_weight=True), fp8_refined.FP8Linear),
+                                          (dict(fp8_grad="e5m2"), fp8_refined.FP8Linear)])
+def test_fp8_builds_fp8pys_layer_unless_a_refinement_is_on(flags, linear):
+    """The plain path is the default path: PRECISION=fp8 alone builds the layer fp8.py's reader reads."""
+    layer = precision.decide(Config(precision="fp8", **flags)).linear_factory()(32, 16, True)
+    built, wanted = (f"{c.__module__}.{c.__name__}" for c in (type(layer), linear))
+    assert built == wanted, f"precision=fp8 with {flags or 'no other flag'} built {built}, not {wanted}"
 
 
 def test_a_precision_is_decided_once_from_the_loss_scale_keys():

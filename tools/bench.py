@@ -64,8 +64,8 @@ COMPILE_ROWS = {True: [("fp32", ["--precision=fp32"]), ("bf16", ["--precision=bf
     "--precision=bf16", "--ckpt=full"]), ("bf16 selective", ["--precision=bf16", "--ckpt=selective"])],
     False: [("bf16 sdpa L12 h768", FAST), ("bf16 sdpa L12 h768 full", FAST + ["--ckpt=full"])]}
 FP8_ROWS = (("fp8", ["--precision=fp8", "--fp8_backend=native", "--fp8_grad=bf16"]),
-            ("fp8 hybrid", ["--precision=fp8", "--fp8_backend=native", "--fp8_grad=e5m2"]),
-            ("fp8 te", ["--precision=fp8", "--fp8_backend=te"]))
+            ("fp8 hybrid", ["--precision=fp8", "--fp8_backend=native", "--fp8_grad=e5m2", "--fp8_keep_weight=true"]),
+            ("fp8 te", ["--precision=fp8", "--fp8_backend=te", "--fp8_keep_weight=true"]))
 
 
 @dataclass

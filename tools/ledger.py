@@ -190,8 +190,8 @@ def technique_rows(cfg, device, opts, measure_runs=True, skipped=None):
     Gradient accumulation: K = cfg.accum when > 1 (else 4); the row is the same batch of
     b sequences taken in K micro-batches of ceil(b/K), so only the activations shrink.
     FP8: native is measured where its matmul runs on the device; Transformer Engine is a formula row:
-    native's activations (an approximation: TE's saved tensors are its own) plus its cached FP8 weight
-    and transpose. The parallel techniques are ledger/parallel.py's parallel_rows, formulas on this
+    native's activations (an approximation: TE's saved tensors are its own) plus its FP8 weight and
+    transpose (cached across steps under FP8_KEEP_WEIGHT, else saved for backward: ledger/parallel.te_weights). The parallel techniques are ledger/parallel.py's parallel_rows, formulas on this
     config's trace. skipped: None (a row that fails raises), or a list that gets one line per row left
     out, saying why (`make ledger` goes on without it). COMPILE: one more row, the compiled blocks.
     """
