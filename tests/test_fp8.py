@@ -595,6 +595,82 @@ def test_fp8_refined_layer_computes_the_plain_recipe_bit_for_bit(recipe):
     assert (plain.amax_history[:, :2] > 0).all(1).sum() == min(4, plain.amax_history.shape[0])
 
 
+# ---------------------------------------------------------------- PRECISION=fp8 trains fp8.py; a flag per refinement
+
+def fp8_step(tmp_path, *flags, micro_steps=3):
+    """One optimizer step of a tiny fp8 model from the seed's weights: (the micro-steps' mean loss, {parameter
+    name: gradient} as AdamW gets them, the model, whether any FP8 weight copy was kept after a backward)."""
+    cfg = tiny_cfg(tmp_path, "--precision=fp8", "--batch_size=2", *flags)
+    model, parts = train.build(cfg, torch.device("cpu"))
+    batches, grads, kept = batches_of(cfg), {}, []
+
+    def observe(phase, *_):
+        if phase == "gradients":
+            kept.append(any(getattr(m, "weight_copy", None) is not None for m in parts.fp8_layers))
+        if phase == "step":
+            grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+    with measure.phases(model, parts, observe):
+        loss, _, _ = accumulate.accumulation_step(model, parts, [batches.next() for _ in range(micro_steps)])
+    return loss, grads, model, any(kept)
+
+
+def doubled(method):
+    """`method` (a function, or a staticmethod) with its output doubled: a learner's edit that shows."""
+    if isinstance(method, staticmethod):
+        return staticmethod(lambda *args: method.__func__(*args) * 2)
+    return lambda *args: method(*args) * 2
+
+
+@pytest.mark.parametrize("edited", ["FP8Linear.forward", "_FP8LinearFunction.forward"])
+def test_an_edit_to_fp8py_changes_a_default_fp8_step(tmp_path, monkeypatch, edited):
+    """The plain path is the default path: PRECISION=fp8 and no other flag trains fp8.py's FP8Linear, so an
+    edit to its forward, or to its Function's, changes the step's loss."""
+    loss, _, model, _ = fp8_step(tmp_path)
+    owner, name = edited.split(".")
+    monkeypatch.setattr(getattr(fp8, owner), name, doubled(vars(getattr(fp8, owner))[name]))
+    edited_loss, _, _, _ = fp8_step(tmp_path)
+    assert edited_loss != loss, f"fp8.{edited} edited to double its output, and a default fp8 step's loss is " \
+                                f"still {loss}: training does not run the code a learner reads in fp8.py"
+    built = {f"{type(m).__module__}.{type(m).__name__}" for m in fp8.layers(model)}
+    assert built == {"fp8.FP8Linear"}, f"PRECISION=fp8 alone built {', '.join(sorted(built))}, not fp8.FP8Linear"
+
+
+@pytest.mark.parametrize("ckpt", ["none", "full"])
+def test_fp8_keep_weight_changes_only_how_often_the_weight_is_quantized(tmp_path, monkeypatch, ckpt):
+    """FP8_KEEP_WEIGHT=true: each weight quantized once per optimizer step (micro-step 1), kept and reused; off,
+    in every forward (3 micro-steps, under full recompute each re-run again). The numbers are the same bits."""
+    runs, quantized, real = {}, [], fp8.quantize
+    monkeypatch.setattr(fp8, "quantize", lambda x, *args: quantized.append(x.data_ptr()) or real(x, *args))
+    for keep in ("false", "true"):
+        quantized.clear()
+        loss, grads, model, kept = fp8_step(tmp_path, f"--fp8_keep_weight={keep}", f"--ckpt={ckpt}")
+        # the model is alive, and its weights stay where they are: no other tensor had their addresses
+        runs[keep] = loss, grads, kept, [quantized.count(m.weight.data_ptr()) for m in fp8.layers(model)]
+    (loss_off, grads_off, kept_off, times_off), (loss_on, grads_on, kept_on, times_on) = runs["false"], runs["true"]
+    forwards = 3 * (2 if ckpt == "full" else 1)
+    assert times_off == [forwards] * len(times_off), f"without FP8_KEEP_WEIGHT each weight should be quantized in " \
+        f"each of the {forwards} forwards of a step, counted {times_off}"
+    assert times_on == [1] * len(times_on), f"FP8_KEEP_WEIGHT=true should quantize each weight once a step, " \
+                                            f"counted {times_on}"
+    assert kept_on and not kept_off, f"an FP8 weight kept after a backward: with the flag {kept_on}, without {kept_off}"
+    assert loss_on == loss_off, f"FP8_KEEP_WEIGHT changed the loss ({loss_off} -> {loss_on}), not only when W is quantized"
+    changed = [n for n in grads_off if not torch.equal(grads_off[n], grads_on[n])]
+    assert not changed, f"FP8_KEEP_WEIGHT changed the gradients of {', '.join(changed)}"
+
+
+def test_fp8_grad_e5m2_changes_only_the_backward(tmp_path):
+    """FP8_GRAD=e5m2: the output gradient in E5M2, the backward GEMMs in FP8. The forward is fp8.py's to the
+    bit (the same loss, the weights unchanged within a step), every FP8 Linear's weight gradient moves, and
+    no weight is kept: the weight copies are FP8_KEEP_WEIGHT's alone."""
+    loss, grads, model, _ = fp8_step(tmp_path)
+    hybrid_loss, hybrid_grads, _, kept = fp8_step(tmp_path, "--fp8_grad=e5m2")
+    assert hybrid_loss == loss, f"FP8_GRAD=e5m2 changed the forward: loss {loss} -> {hybrid_loss}"
+    linears = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+    same = [n for n in linears if torch.equal(grads[n], hybrid_grads[n])]
+    assert not same, f"FP8_GRAD=e5m2 left the BF16 backward's weight gradients of {', '.join(same)}"
+    assert not kept, "FP8_GRAD=e5m2 alone kept an FP8 weight copy"
+
+
 # ---------------------------------------------------------------- a model: gradients, training, recompute, snapshots
 
 def test_fp8_model_gradients_reach_every_parameter(tmp_path):
