@@ -26,7 +26,7 @@ from model import IGNORE_INDEX
 @dataclass
 class StepParts:
     """Everything an optimizer step uses besides the model, built once by train.build."""
-    recipe: precision.Recipe  # the forward context (FP8: which weight copy, TE's autocast)
+    precision: precision.Precision  # the forward context (FP8: which weight copy, TE's autocast)
     scaler: precision.LossScaler
     optimizer: precision.MasterWeightOptimizer
     grad_buffers: list = None  # fp32_grad_buffers, or None: the sum lives in .grad
@@ -51,7 +51,7 @@ def accumulation_step(model, parts, micro_batches, loss_norm="mean", use_no_sync
         if isinstance(model, fsdp.FSDPModule):
             model.set_requires_gradient_sync(sync)
         with model.no_sync() if ddp and not sync else nullcontext():
-            with parts.recipe.forward_context(model, micro_step=i):  # FP8: W quantized at micro-step 0 only
+            with parts.precision.forward_context(model, micro_step=i):  # FP8_KEEP_WEIGHT: W quantized at micro-step 0 only
                 loss = model(x, y)[1]
             parts.scaler.backward(loss * weights[i])  # the gradients add up in .grad
         if parts.grad_buffers is not None:

@@ -1,4 +1,4 @@
-"""Building a run: recipe, model, recompute policy, sharding and optimizer, each decided once.
+"""Building a run: precision, model, recompute policy, sharding and optimizer, each decided once.
 
 Chapter: where sections 1-4 meet before the first step. Read first: `build` (every mechanism put
 together, in the order that matters: cast, recompute, compile, shard, optimizer), then `make_optimizer`
@@ -35,26 +35,26 @@ def build(cfg, device=None):
     """(model, accumulate.StepParts) for cfg: the model in its precision, with its recompute
     policy, and everything an optimizer step needs. Used by the loop, the tools and the tests."""
     device = device or pick_device(cfg)
-    recipe = precision.recipe(cfg)
+    prec = precision.decide(cfg)
     try:
-        recipe.check_device(device)
+        prec.check_device(device)
         torch.manual_seed(cfg.seed)
-        model = GPT(cfg, linear_factory=recipe.linear_factory())
+        model = GPT(cfg, linear_factory=prec.linear_factory())
         sharded = cfg.shard == "fsdp"  # FSDP2 keeps FP32 shards (the master weights), casts per block
-        model.to(device=device, dtype=torch.float32 if sharded else recipe.param_dtype)
-        checkpoint.apply_policy(model, checkpoint.policy(cfg), recipe.recompute_contexts,
+        model.to(device=device, dtype=torch.float32 if sharded else prec.param_dtype)
+        checkpoint.apply_policy(model, checkpoint.policy(cfg), prec.recompute_contexts,
                                 recompute_fn=checkpoint.IMPLEMENTATIONS[cfg.ckpt_impl],
-                                stop_early=checkpoint.rerun_stops_early(cfg, recipe))
+                                stop_early=checkpoint.rerun_stops_early(cfg, prec))
         if cfg.compile:
             compile_blocks(model)  # before FSDP and DDP wrap the model, as PyTorch documents
         if sharded:
-            fsdp.apply_fsdp(model, recipe)
-        optimizer = make_optimizer(cfg, model, recipe)
+            fsdp.apply_fsdp(model, prec)
+        optimizer = make_optimizer(cfg, model, prec)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    buffers = accumulate.fp32_grad_buffers(model.parameters()) if cfg.fp32_grad_accum and recipe.master_weights \
+    buffers = accumulate.fp32_grad_buffers(model.parameters()) if cfg.fp32_grad_accum and prec.master_weights \
         else None
-    parts = accumulate.StepParts(recipe=recipe, scaler=recipe.loss_scaler(), optimizer=optimizer,
+    parts = accumulate.StepParts(precision=prec, scaler=prec.loss_scaler(), optimizer=optimizer,
                                  grad_buffers=buffers, fp8_layers=fp8.layers(model))
     return model, parts
 
@@ -69,18 +69,18 @@ def compile_blocks(model):
         block.compile()
 
 
-def make_optimizer(cfg, model, recipe):
+def make_optimizer(cfg, model, prec):
     """The optimizer SHARD asks for, with the update rule OPTIMIZER names (precision.OPTIMIZERS): on an
     FP32 master copy of the whole model (none: DDP keeps it on every rank), or of this rank's slice
     only (zero1, zero2: zero.py), or on this rank's FP32 shards, which are the master weights (fsdp)."""
     spec, settings = precision.optimizer_spec(cfg), dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                                          grad_clip=cfg.grad_clip)
     if cfg.shard in zero.STAGES:
-        return zero.ShardedOptimizer(model.parameters(), recipe.master_weights, spec, zero.STAGES[cfg.shard],
+        return zero.ShardedOptimizer(model.parameters(), prec.master_weights, spec, zero.STAGES[cfg.shard],
                                      **settings)
     if cfg.shard == "fsdp":
-        return fsdp.ShardOptimizer(model.parameters(), recipe.master_weights, spec, **settings)
-    return precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, spec, **settings)
+        return fsdp.ShardOptimizer(model.parameters(), prec.master_weights, spec, **settings)
+    return precision.MasterWeightOptimizer(model.parameters(), prec.master_weights, spec, **settings)
 
 
 def wrap_ddp(model, device):

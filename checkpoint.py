@@ -227,11 +227,11 @@ def _autocast(state):
     return torch.autocast(**state) if state else nullcontext()
 
 
-def rerun_stops_early(cfg, recipe):
+def rerun_stops_early(cfg, prec):
     """Whether a re-run may stop after the last saved tensor: not under Transformer Engine
-    (precision.Recipe.rerun_stops_early says why) nor FSDP, whose post-forward hook must see each
+    (precision.Precision.rerun_stops_early says why) nor FSDP, whose post-forward hook must see each
     block's re-run end (our re-run runs before FSDP2's pre-backward hook: docs/recompute.md)."""
-    return recipe.rerun_stops_early and cfg.shard != "fsdp"
+    return prec.rerun_stops_early and cfg.shard != "fsdp"
 
 
 def torch_recompute(fn, *args, contexts=None, stop_early=True):
@@ -350,7 +350,7 @@ def _checked_units(units, n_layer):
 def apply_policy(model, policy, contexts=None, recompute_fn=recompute, stop_early=True):
     """Make `model` recompute what `policy` (a Policy) says: model.block_runner runs the runs of blocks
     as units; each submodule unit's calls go through recompute_fn from now on. contexts: the precision's,
-    called with a unit's modules at its forward (precision.Recipe.recompute_contexts). recompute_fn:
+    called with a unit's modules at its forward (precision.Precision.recompute_contexts). recompute_fn:
     `recompute`, `naive_recompute` or `torch_recompute`. stop_early: may a re-run stop after the last
     tensor its unit saves."""
     recompute_fn = functools.partial(recompute_fn, stop_early=stop_early)

@@ -80,7 +80,7 @@ class Config:
     beta1: float = key(0.9, "AdamW beta1, in [0, 1)", at_least=0.0)
     beta2: float = key(0.95, "AdamW beta2, in [0, 1)", at_least=0.0)
     grad_clip: float = key(1.0, "clip the gradient norm to this; 0 = off", at_least=0.0)
-    # precision (precision.py, fp8.py, backends/fp8_te.py): read only by precision.recipe()
+    # precision (precision.py, fp8.py, backends/fp8_te.py): read only by precision.decide()
     precision: str = key("bf16", "parameter/activation dtype; fp8 = bf16 with FP8 Linear matmuls", PRECISIONS)
     loss_scale: str = key("auto", "auto (dynamic for fp16, else none) | dynamic | none | a number")
     loss_scale_hysteresis: int = key(1, "the dynamic scale backs off at this many overflows (1: at the first)",
@@ -96,6 +96,8 @@ class Config:
     fp8_margin: int = key(0, "scale = fp8_max / amax / 2**margin (E4M3 spans about 18 binades: at most 16)",
                           at_least=0, at_most=16)
     fp8_grad: str = key("bf16", "backward in bf16 (the chapter) or gradients in FP8 E5M2 (TE's HYBRID)", FP8_GRADS)
+    fp8_keep_weight: bool = key(False, "quantize each FP8 weight once per optimizer step and reuse it in micro-steps "
+                                       "2..K and recompute re-runs (TE's is_first_microbatch); off: every forward")
     # activation checkpointing (checkpoint.py)
     ckpt: str = key("none", "what backward recomputes instead of keeping: a policy of checkpoint.POLICIES")
     ckpt_segment: int = key(0, "blocks per recompute unit for ckpt=sqrt; 0 = round(sqrt(n_layer))", at_least=0)
@@ -191,7 +193,8 @@ def check_meaningful(cfg):
     """Keys that would be silently ignored by this config are refused instead."""
     defaults = Config()
     if cfg.precision != "fp8":
-        changed = [k for k in ("fp8_backend", "fp8_recipe", "fp8_amax_history", "fp8_margin", "fp8_grad")
+        changed = [k for k in ("fp8_backend", "fp8_recipe", "fp8_amax_history", "fp8_margin", "fp8_grad",
+                                "fp8_keep_weight")
                    if getattr(cfg, k) != getattr(defaults, k)]
         if changed:
             raise UsageError(f"--{changed[0]} applies to precision=fp8 only, this run has precision={cfg.precision}")

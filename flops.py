@@ -19,7 +19,7 @@ import model as model_py
 from ledger import gpus
 from model import GPT
 
-def peak_flops(cfg, recipe, device):
+def peak_flops(cfg, prec, device):
     """FLOP/s that MFU is measured against: cfg.peak_flops, the GPU's dense peak (ledger/gpus.py, each figure
     with its source), or measured on CPU."""
     if cfg.peak_flops > 0:
@@ -27,8 +27,8 @@ def peak_flops(cfg, recipe, device):
     if device.type == "cuda":
         name = gpus.of_device(torch.cuda.get_device_name(device))
         table = gpus.tflops(name) if name else None
-        return (table[recipe.name] or 0.0) * 1e12 if table else 0.0  # unknown GPU, or no such units: no MFU
-    return _cpu_peak(recipe.param_dtype)
+        return (table[prec.name] or 0.0) * 1e12 if table else 0.0  # unknown GPU, or no such units: no MFU
+    return _cpu_peak(prec.param_dtype)
 
 
 # once per process and dtype: the machine does not change, and a BF16 timing takes seconds

@@ -2,8 +2,8 @@
 
 Read first: `scale_from_amax` and `quantize`, then `_FP8LinearFunction` (its GEMMs), then `FP8Linear`
 (where the scales come from), then `fold_amax` (once per optimizer step, the max over ranks included).
-Only the Linears' matmuls run in FP8. The GEMM: backends/fp8_gemm.py. What the trainer adds (the FP8
-weight kept across micro-steps, the E5M2 backward): backends/fp8_refined.py. Why, and the memory: docs/fp8.md.
+PRECISION=fp8 trains this FP8Linear; only the Linears' matmuls run in FP8 (the GEMM: backends/fp8_gemm.py).
+Its refinements, a flag each (FP8_KEEP_WEIGHT, FP8_GRAD=e5m2): backends/fp8_refined.py. Why: docs/fp8.md.
 """
 import math
 from dataclasses import dataclass
@@ -17,12 +17,13 @@ from backends.fp8_gemm import E4M3, E5M2, dequantize, fp8_max, scaled_mm
 
 @dataclass(frozen=True)
 class Settings:
-    """The FP8 choices of a run, made once by precision.recipe() from the fp8_* keys."""
+    """The FP8 choices of a run, made once by precision.decide() from the fp8_* keys."""
     backend: str = "native"  # native (this file) | te (Transformer Engine, backends/fp8_te.py)
     scaling: str = "delayed"  # FP8_RECIPE: delayed (scale from an amax history) | current (this tensor's amax)
     history: int = 16  # amax history length (delayed)
     margin: int = 0  # scale = fp8_max / amax / 2**margin
     grad: str = "bf16"  # bf16: BF16 backward (the chapter) | e5m2: output gradients in E5M2 (TE's HYBRID)
+    keep_weight: bool = False  # W quantized once per optimizer step (backends/fp8_refined.py) | in every forward
 
 
 def scale_from_amax(amax, max_value, margin=0, previous=None):
@@ -86,7 +87,6 @@ class FP8Linear(nn.Module):
       recipe "delayed": the max of an amax history of the last `amax_history` optimizer steps (TE's
         DelayedScaling), so the scale holds for a whole step; with no history yet, as "current";
       recipe "current": this very tensor's (one more reduction per tensor)."""
-    weight_copy = None  # an E4M3 weight kept across micro-steps: none here (backends/fp8_refined.py keeps one)
 
     def __init__(self, in_features, out_features, bias=True, recipe="delayed", amax_history=16, margin=0):
         super().__init__()
@@ -158,7 +158,7 @@ def layers(module):
 def release_weight_copies(fp8_layers):
     """Before the optimizer step changes the weights: drop the FP8 weights kept for its micro-steps."""
     for m in fp8_layers:
-        if isinstance(m, FP8Linear):  # Transformer Engine keeps its own cache
+        if getattr(m, "weight_copy", None) is not None:  # FP8_KEEP_WEIGHT's (none here; TE keeps its own)
             m.weight_copy = None
 
 

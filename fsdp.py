@@ -24,7 +24,7 @@ import zero
 from guards import sharded_snapshot
 
 
-def apply_fsdp(model, recipe):
+def apply_fsdp(model, prec):
     """Shard `model` (built in FP32) over the default process group: each block is one unit of
     gathering (its parameters gathered together, its gradient reduce-scattered together), and
     the root holds the rest (the embeddings, tied to the head, and ln_f). In place; returns model."""
@@ -34,13 +34,13 @@ def apply_fsdp(model, recipe):
     if next(model.parameters()).dtype != torch.float32:
         raise ValueError("apply_fsdp shards an FP32 model: the FP32 shards are the master weights")
     # 16-bit precisions: gathered in that dtype for compute, gradients reduced in fp32; fp32: as is
-    mixed = MixedPrecisionPolicy(param_dtype=recipe.param_dtype, reduce_dtype=torch.float32) \
-        if recipe.master_weights else MixedPrecisionPolicy()
+    mixed = MixedPrecisionPolicy(param_dtype=prec.param_dtype, reduce_dtype=torch.float32) \
+        if prec.master_weights else MixedPrecisionPolicy()
     mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))  # all the ranks
     for block in model.h:
         fully_shard(block, mesh=mesh, mp_policy=mixed)
     fully_shard(model, mesh=mesh, mp_policy=mixed)
-    sharded_snapshot.whole_model_state(model, recipe.param_dtype)  # snapshot.py sees whole tensors, as ddp's
+    sharded_snapshot.whole_model_state(model, prec.param_dtype)  # snapshot.py sees whole tensors, as ddp's
     return model
 
 

@@ -127,7 +127,7 @@ def closed_terms(cfg):
     """{term: bytes} the chapter's formulas give for cfg's whole model after its forward: each block by
     what its recompute policy keeps (a block unit: its input; a unit of the attention core: all but the
     s x s terms), ln_f's input, the head's."""
-    e, (s, b, h, a) = precision.recipe(cfg).element_bytes, (cfg.block_size, cfg.batch_size, cfg.n_embd, cfg.n_head)
+    e, (s, b, h, a) = precision.decide(cfg).element_bytes, (cfg.block_size, cfg.batch_size, cfg.n_embd, cfg.n_head)
     policy = checkpoint.policy(cfg)
     in_units = {i for unit in policy.block_units(cfg.n_layer) for i in unit}
     kept = [i for i in range(cfg.n_layer) if i not in in_units]
@@ -237,7 +237,7 @@ def differences(cfg, terms, unmatched):
     formula says: what it keeps that the formula leaves out or counts otherwise (its op, dtype, shape), and
     where what it keeps as the formula does adds up otherwise, those too; then what no term explains."""
     closed, rows = closed_terms(cfg), []
-    dtype = str(precision.recipe(cfg).param_dtype).removeprefix("torch.")
+    dtype = str(precision.decide(cfg).param_dtype).removeprefix("torch.")
     for term, tensors in terms.items():
         got = sum(s.nbytes for s in tensors)
         if got == closed[term]:
@@ -263,11 +263,11 @@ def state_differences(cfg, n_params, n_tensors, states):
     """[(why, bytes)] between the closed form's 16 bytes per parameter (bytes_per_param_closed) and the
     step's states (parameters + gradients + master + optimizer, bytes), each named; what no rule names last."""
     spec = precision.OPTIMIZERS[cfg.optimizer]
-    rec = precision.recipe(cfg)
-    closed = sum(bytes_per_param_closed(rec.name, len(spec.per_element))) * n_params
+    prec = precision.decide(cfg)
+    closed = sum(bytes_per_param_closed(prec.name, len(spec.per_element))) * n_params
     named = [(f"{spec.name}'s per-tensor counts ({', '.join(spec.per_tensor)}): FP32, kept on the CPU",
               4 * len(spec.per_tensor) * n_tensors * (cfg.device != "cuda")),
-             ("the FP32 gradient sums (fp32_grad_accum)", 4 * n_params * (cfg.fp32_grad_accum and rec.master_weights))]
+             ("the FP32 gradient sums (fp32_grad_accum)", 4 * n_params * (cfg.fp32_grad_accum and prec.master_weights))]
     named = [(why, n) for why, n in named if n]
     rest = states - closed - sum(n for _, n in named)
     return closed, named + ([("not explained by the closed form", rest)] if rest else [])

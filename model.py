@@ -5,7 +5,7 @@ Read first: `GPT.forward`, then `Block`, `CausalSelfAttention` and `AttentionCor
 from config.Config (n_layer, n_head, n_embd, block_size, vocab_size, dropout, bias, attn).
 
 Two seams let the other files change the model without forking it: every Linear is built by
-`linear_factory` (precision.py's recipe swaps in an FP8 Linear), and `GPT.forward` runs the blocks
+`linear_factory` (precision.py's Precision swaps in an FP8 Linear), and `GPT.forward` runs the blocks
 through `self.block_runner` (checkpoint.py swaps in one that recomputes runs of blocks). Any
 submodule of a block can be a recompute unit too, with no seam (checkpoint.apply_policy).
 """

@@ -1,8 +1,8 @@
-"""Mixed precision by hand: FP32 master weights, the loss scaler, and the recipe that decides it all.
+"""Mixed precision by hand: FP32 master weights, the loss scaler, and what PRECISION decides, decided once.
 
 Chapter section 1. Read first: `MasterWeightOptimizer` (the BF16 workflow: forward and backward on
 16-bit parameters, AdamW on an FP32 master copy), then `LossScaler` (why FP16 needs it and BF16 does
-not: `make underflow` measures it), then `recipe` (everything PRECISION decides, decided once).
+not: `make underflow` measures it), then `decide` (everything PRECISION decides, as one `Precision`).
 
 One optimizer step: the 16-bit gradients are cast up into FP32 and the loss scaler unscales them; one
 reduction gives the norm for clipping and the scaler's inf/NaN check; AdamW steps the FP32 master copy;
@@ -227,13 +227,13 @@ def not_written_by(scaler, state):
     return None
 
 
-# ---------------------------------------------------------------- the recipe: PRECISION, decided once
+# ---------------------------------------------------------------- PRECISION, decided once
 
 PARAM_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
-def recipe(cfg):
-    """The Recipe for cfg: the one place that reads precision, loss_scale* and fp8_*."""
+def decide(cfg):
+    """The Precision of cfg: the one place that reads precision, loss_scale* and fp8_*."""
     scaling, static_scale = cfg.loss_scale, 2.0 ** 16
     if scaling == "auto":  # FP16's range needs scaling; BF16's (FP32's exponent) does not
         scaling = "dynamic" if cfg.precision == "fp16" else "none"
@@ -242,16 +242,16 @@ def recipe(cfg):
     settings = None
     if cfg.precision == "fp8":
         settings = fp8.Settings(backend=cfg.fp8_backend, scaling=cfg.fp8_recipe, history=cfg.fp8_amax_history,
-                                margin=cfg.fp8_margin, grad=cfg.fp8_grad)
+                                margin=cfg.fp8_margin, grad=cfg.fp8_grad, keep_weight=cfg.fp8_keep_weight)
     dtype = PARAM_DTYPE[cfg.precision]
-    return Recipe(name=cfg.precision, param_dtype=dtype, master_weights=dtype != torch.float32,
+    return Precision(name=cfg.precision, param_dtype=dtype, master_weights=dtype != torch.float32,
                   loss_scaling=scaling, static_scale=static_scale, hysteresis=cfg.loss_scale_hysteresis,
                   growth=(cfg.loss_scale_growth, cfg.loss_scale_backoff, cfg.loss_scale_interval), fp8=settings)
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """What a PRECISION means for every other file. Built once by `recipe(cfg)`; nothing
+class Precision:
+    """What a PRECISION means for every other file. Built once by `decide(cfg)`; nothing
     else reads the precision keys of the config."""
     name: str  # fp32|bf16|fp16|fp8, for the log
     param_dtype: torch.dtype  # parameters, so activations and gradients too
@@ -268,32 +268,42 @@ class Recipe:
         return torch.empty((), dtype=self.param_dtype).element_size()
 
     def linear_factory(self):
-        """What model.GPT builds each Linear with."""
+        """What model.GPT builds each Linear with: under fp8, fp8.py's FP8Linear unless a refinement is on."""
         if self.fp8 is None:
             return default_linear
         if self.fp8.backend == "te":
             return fp8_te.linear_factory(self.fp8)
-        return functools.partial(fp8_refined.FP8Linear, recipe=self.fp8.scaling, amax_history=self.fp8.history,
-                                 margin=self.fp8.margin, grad=self.fp8.grad)
+        scaling = dict(recipe=self.fp8.scaling, amax_history=self.fp8.history, margin=self.fp8.margin)
+        # the refinements, a flag each (backends/fp8_refined.py); with neither, the chapter's own layer:
+        #   FP8_KEEP_WEIGHT=true: W quantized once per optimizer step (forward_context, recompute_contexts)
+        #   FP8_GRAD=e5m2: the output gradient in E5M2, both backward GEMMs in FP8 (TE's HYBRID)
+        # not a refinement: the GEMM's CPU stand-in (fp8_gemm.scaled_mm) is how any FP8 matmul runs on a CPU
+        if self.fp8.keep_weight or self.fp8.grad == "e5m2":
+            return functools.partial(fp8_refined.FP8Linear, grad=self.fp8.grad, **scaling)
+        return functools.partial(fp8.FP8Linear, **scaling)
 
     def forward_context(self, model, micro_step=None):
         """Entered around every forward of `model`, like torch.autocast. micro_step: its index in the
-        optimizer step (None outside one: evaluation, sampling). FP8: which FP8 weight each Linear uses
-        (fp8_refined.WEIGHT_MODES: quantized at micro-step 0 only), and TE's FP8 autocast (fp8_backend=te)."""
+        optimizer step (None outside one: evaluation, sampling). FP8: TE's FP8 autocast (fp8_backend=te)
+        and, with FP8_KEEP_WEIGHT, which FP8 weight each Linear uses (fp8_refined.WEIGHT_MODES)."""
         if self.fp8 is None:
             return nullcontext()
-        mode = "fresh" if micro_step is None else "refresh" if micro_step == 0 else "reuse"
         te_autocast = fp8_te.autocast(self.fp8) if self.fp8.backend == "te" else nullcontext()
+        if not self.fp8.keep_weight:  # every forward quantizes W afresh (te: is_first_microbatch=None)
+            return te_autocast
+        # FP8_KEEP_WEIGHT: W quantized at micro-step 0 and kept, reused by micro-steps 1..K-1
+        mode = "fresh" if micro_step is None else "refresh" if micro_step == 0 else "reuse"
         return _all_of(fp8_refined.weight_copies(fp8.layers(model), mode), te_autocast)
 
     def recompute_contexts(self, modules):
-        """(around a recompute unit's forward, around its re-run) for the unit made of `modules`: the
-        re-run uses the FP8 weight its forward used and records no amax (fp8_refined.Rerun); under TE
-        it re-enters TE's FP8 autocast with TE's recompute-phase flags (fp8_te.recompute_contexts)."""
+        """(around a recompute unit's forward, around its re-run) for the unit made of `modules`. A re-run
+        sees the forward's tensors and scales: it quantizes them to the same bytes. FP8_KEEP_WEIGHT: it
+        uses the FP8 weight its forward used and records no amax (fp8_refined.Rerun). Under TE it
+        re-enters TE's FP8 autocast with TE's recompute-phase flags (fp8_te.recompute_contexts)."""
         fp8_layers = [m for module in modules for m in fp8.layers(module)]
         if self.fp8 is None or not fp8_layers:  # a unit with no FP8 Linear (the attention core) needs nothing
             return nullcontext(), nullcontext()
-        rerun = fp8_refined.Rerun(fp8_layers)
+        rerun = fp8_refined.Rerun(fp8_layers) if self.fp8.keep_weight else nullcontext()
         if self.fp8.backend != "te":
             return nullcontext(), rerun
         around_forward, around_rerun = fp8_te.recompute_contexts(self.fp8)
@@ -311,7 +321,7 @@ class Recipe:
                           backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=self.hysteresis)
 
     def check_device(self, device):
-        """Raise ValueError where this recipe cannot run on `device` (FP8 needs its matmul)."""
+        """Raise ValueError where this precision cannot run on `device` (FP8 needs its matmul)."""
         if self.fp8 is not None and self.fp8.backend == "te":
             fp8_te.check_available(device)
         elif self.fp8 is not None and (why := fp8_gemm.fp8_matmul_error(device)):

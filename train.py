@@ -1,7 +1,7 @@
 """The trainer: the DDP lifecycle, the loop, evaluation, sampling.
 
 Chapter: all of it, run end to end. Read first: `train_loop`, which calls accumulate.py once per
-optimizer step, then build.py (the precision recipe, the model, the recompute policy and the optimizer,
+optimizer step, then build.py (the precision decisions, the model, the recompute policy and the optimizer,
 each decided once). `python train.py --precision=bf16 --ckpt=full --accum=4`; under torchrun, DDP.
 Model save/resume is a *snapshot* here (snapshot.py); checkpoint.py is activation checkpointing.
 """
@@ -49,11 +49,11 @@ def lr_at(cfg, it):
 
 @eagerly  # COMPILE compiles the training step only (guards/compiling.py)
 @torch.no_grad()
-def estimate_loss(model, batches, iters, recipe):
+def estimate_loss(model, batches, iters, prec):
     model.eval()
     losses = []
     for _ in range(iters):
-        with recipe.forward_context(model):  # TE's FP8 autocast, so evaluation runs in the precision trained in
+        with prec.forward_context(model):  # TE's FP8 autocast, so evaluation runs in the precision trained in
             losses.append(model(*batches.next())[1].item())
     model.train()
     return sum(losses) / len(losses)
@@ -121,7 +121,7 @@ def train_loop(cfg, log, accum, rank, device, world_size, start):
             if (master or every_rank) and (step + 1) % cfg.eval_interval == 0:
                 with report.evaluation(step) as val:
                     val_batches = Batches(val_tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
-                    val.append(estimate_loss(model, val_batches, cfg.eval_iters, parts.recipe))
+                    val.append(estimate_loss(model, val_batches, cfg.eval_iters, parts.precision))
                 history[-1]["val_loss"] = val[0]
             last = step + 1 == cfg.max_iters
             snapshot_due = last or (cfg.snapshot_interval and (step + 1) % cfg.snapshot_interval == 0)
@@ -144,7 +144,7 @@ def resume(cfg, snap, model, parts, batches, rank, world_size, device, log):
     fresh_scaler = scaler_asked_anew(cfg, snap)
     step = snapshot.restore(snap, model, parts, batches, rank, world_size, device, scaler=not fresh_scaler)
     if rank == 0 and fresh_scaler:
-        log(f"loss scale: this run's ({parts.recipe.loss_scaling}, {parts.scaler.loss_scale:g}) replaces the "
+        log(f"loss scale: this run's ({parts.precision.loss_scaling}, {parts.scaler.loss_scale:g}) replaces the "
             f"snapshot's ({snap['scaler']['loss_scale']:g}), as its flags ask")
     return step
 

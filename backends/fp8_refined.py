@@ -1,12 +1,13 @@
-"""The FP8Linear the trainer builds: fp8.py's recipe with two refinements, each as Transformer Engine has it.
+"""FP8's two refinements, a flag each, each as Transformer Engine has it: the FP8Linear built when one is on.
 
-Chapter section 1, FP8. Read fp8.py first: this file subclasses its FP8Linear and its autograd
-Function; the scales, the amax history and the forward GEMM are fp8.py's, unchanged.
-  the FP8 weight, once per optimizer step: quantized at micro-step 1 and reused by micro-steps 2..K
-    and by every recompute's re-run (TE's is_first_microbatch): ACCUM=K quantizes W once, not K times.
-  HYBRID (fp8_grad=e5m2, TE's format): the output gradient in E5M2, the two backward GEMMs in FP8.
-precision.Recipe builds this FP8Linear (linear_factory) and sets its weight_mode around every forward
-(forward_context: weight_copies) and every re-run (recompute_contexts: Rerun). docs/fp8.md: the memory.
+Chapter section 1, FP8. Read fp8.py first: PRECISION=fp8 alone trains its FP8Linear. This file subclasses
+it and its autograd Function; the scales, the amax history and the forward GEMM are fp8.py's, unchanged.
+  FP8_KEEP_WEIGHT=true: the FP8 weight, once per optimizer step: quantized at micro-step 1 and reused by
+    micro-steps 2..K and by every recompute's re-run (TE's is_first_microbatch): ACCUM=K quantizes W once.
+  FP8_GRAD=e5m2 (HYBRID, TE's format): the output gradient in E5M2, the two backward GEMMs in FP8.
+precision.Precision builds this FP8Linear where either is on (linear_factory); FP8_KEEP_WEIGHT sets its
+weight_mode around every forward (forward_context: weight_copies) and every re-run (recompute_contexts:
+Rerun), else it stays "fresh", fp8.py's quantization in every forward. docs/fp8.md: the memory.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class Rerun:
     """Around a recompute unit's re-run in backward (checkpoint.Unit.rerun): each FP8 Linear of the
     unit uses the weight its forward used (the kept copy, or a fresh one where the forward
     quantized afresh) and records no amax: the same bits, and the state moves once per real
-    forward. Made at the unit's forward (precision.Recipe.recompute_contexts), so it knows the
+    forward. Made at the unit's forward (precision.Precision.recompute_contexts), so it knows the
     mode each layer had then; entered in backward, when the forward's context is long closed."""
 
     def __init__(self, fp8_layers):
@@ -118,8 +119,8 @@ class _FP8LinearFunction(fp8._FP8LinearFunction):
 
 
 class FP8Linear(fp8.FP8Linear):
-    """fp8.FP8Linear with its E4M3 weight kept for an optimizer step (`weight_mode`: WEIGHT_MODES) and,
-    with grad="e5m2", HYBRID's backward."""
+    """fp8.FP8Linear with its E4M3 weight kept for an optimizer step where `weight_mode` says (WEIGHT_MODES,
+    set under FP8_KEEP_WEIGHT only) and, with grad="e5m2", HYBRID's backward."""
 
     def __init__(self, in_features, out_features, bias=True, recipe="delayed", amax_history=16, margin=0,
                  grad="bf16"):

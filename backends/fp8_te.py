@@ -131,7 +131,8 @@ def _linear_class():
 
     class Linear(te.Linear):
         """te.Linear told which micro-step it runs in (its weight_mode, fp8_refined.WEIGHT_MODES, set
-        as on our FP8Linear by precision.Recipe.forward_context). With is_first_microbatch set,
+        as on our FP8Linear by precision.Precision.forward_context under FP8_KEEP_WEIGHT, else "fresh",
+        so None: TE's own default). With is_first_microbatch set,
         TE quantizes the weight on micro-step 1 into a cached workspace (the E4M3 weight and, on
         Hopper, its transpose for the backward GEMM) and reuses it for the other micro-steps; with
         None it quantizes afresh in every forward (module/linear.py, Linear.forward: no cache

@@ -49,14 +49,14 @@ class Divergence:
     at 2^16 take at most 16 + hysteresis-1 halvings, so they never trigger it.
     """
 
-    def __init__(self, recipe):
-        self.recipe = recipe
+    def __init__(self, prec):
+        self.precision = prec
         self.nonfinite = None  # (step, loss) of this rank's first non-finite loss
         self.skips, self.scale_at_first_skip = 0, None  # the current run of skipped steps
         self.too_many = None  # (step, skips, scale) where a run of skips passed the allowance
 
     def allowance(self, scale):
-        return precision.overflows_explained(self.recipe.loss_scaler(), scale)
+        return precision.overflows_explained(self.precision.loss_scaler(), scale)
 
     def after_step(self, step, loss, stepped, scale):
         """step: the step just done (1-based); scale: the loss scale it ran with."""
@@ -93,10 +93,10 @@ class Divergence:
             why = f"step {step}: the run diverged: the loss is not finite ({when}); {cause}"
         elif flags[1]:
             at, skips, scale = self.too_many
-            if self.recipe.loss_scaling == "static":
+            if self.precision.loss_scaling == "static":
                 cause = f"lower --loss_scale={scale:g} (or use --loss_scale=dynamic), or {cause.replace('lower ', '')}"
             why = (f"step {step}: the run diverged: {skips} steps in a row (to step {at}) were skipped for inf/NaN "
-                   f"gradients, more than the loss scale ({self.recipe.loss_scaling}, {scale:g}) can explain "
+                   f"gradients, more than the loss scale ({self.precision.loss_scaling}, {scale:g}) can explain "
                    f"({self.allowance(scale)}); {cause}")
         elif flags[2]:
             why = f"step {step}: the run diverged: the weights of this step give a loss of {probe_loss}; {cause}"
@@ -134,7 +134,7 @@ class Guard:
         self.cfg, self.model, self.probe_batch, self.device, self.world_size = cfg, model, probe_batch, device, \
             world_size
         self.path, self.resumed_step, self.saved_step, self.done = path, resumed_step, None, resumed_step or 0
-        self.watch = Divergence(parts.recipe)
+        self.watch = Divergence(parts.precision)
         opt = parts.optimizer
         self.weights = opt.model_params + (opt.master_params if opt.master_weights else [])
 

@@ -90,7 +90,7 @@ def preflight(cfg, device, rank, held):
     if cfg.compile and (why := compiling.compile_error(device)):
         raise UsageError(why)
     try:
-        precision.recipe(cfg).check_device(device)
+        precision.decide(cfg).check_device(device)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if rank == 0:  # the writer of snapshots: its folder must take them
@@ -104,7 +104,7 @@ def preflight(cfg, device, rank, held):
     if cfg.resume:
         snap = snapshot.read(path)
         check_saved_policy(snap, path)
-        snapshot_fields.check_same_model(snap, cfg, precision.recipe(cfg).fp8 is not None, path)
+        snapshot_fields.check_same_model(snap, cfg, precision.decide(cfg).fp8 is not None, path)
         snapshot_fields.check_model_state(snap, meta_model(cfg), path)
     if rank == 0:  # what a killed run of ours left in out_dir goes
         files.remove_stale_temps(cfg.out_dir, (snapshot.FILE, files.PROBE, MEMORY_HISTORY))
@@ -114,16 +114,16 @@ def preflight(cfg, device, rank, held):
 def meta_model(cfg):
     """The model cfg's run builds, on the meta device (no memory, no values): the names, dtypes and shapes
     of what its snapshot holds. Transformer Engine's Linears hold a weight and a bias as nn.Linear does."""
-    recipe = precision.recipe(cfg)
-    te = recipe.fp8 is not None and recipe.fp8.backend == "te"
+    prec = precision.decide(cfg)
+    te = prec.fp8 is not None and prec.fp8.backend == "te"
     with torch.device("meta"):
-        return GPT(cfg, linear_factory=default_linear if te else recipe.linear_factory()).to(recipe.param_dtype)
+        return GPT(cfg, linear_factory=default_linear if te else prec.linear_factory()).to(prec.param_dtype)
 
 
 def scaler_asked_anew(cfg, snap):
     """True when this run's loss scaling (--loss_scale and the dynamic scale's keys) differs from the
     snapshot's: the run's own scaler then starts fresh, as asked, instead of the saved one."""
-    mine, saved = precision.recipe(cfg), precision.recipe(snapshot_fields.saved_config(snap))
+    mine, saved = precision.decide(cfg), precision.decide(snapshot_fields.saved_config(snap))
     return (mine.loss_scaling, mine.static_scale, mine.hysteresis, mine.growth) != \
         (saved.loss_scaling, saved.static_scale, saved.hysteresis, saved.growth)
 
@@ -196,9 +196,9 @@ def closed_form_need(cfg, world=1):
         one, two = (sum(p.numel() for p in GPT(dataclasses.replace(cfg, n_layer=n)).parameters()) for n in (1, 2))
     P = one + (cfg.n_layer - 1) * (two - one)
     stage = {"none": 0, "zero1": 1, "zero2": 2, "fsdp": 3}[cfg.shard]
-    recipe = precision.recipe(cfg)
-    e, s, b, h, a = recipe.element_bytes, cfg.block_size, cfg.batch_size, cfg.n_embd, cfg.n_head
-    return memory_ledger.zero_bytes_per_rank(P, world, stage, recipe.name) + \
+    prec = precision.decide(cfg)
+    e, s, b, h, a = prec.element_bytes, cfg.block_size, cfg.batch_size, cfg.n_embd, cfg.n_head
+    return memory_ledger.zero_bytes_per_rank(P, world, stage, prec.name) + \
         cfg.n_layer * memory_ledger.layer_activations_closed(s, b, h, a, e, cfg.dropout > 0, cfg.attn == "sdpa") + \
         memory_ledger.head_activations_closed(s, b, h, cfg.vocab_size, e)
 

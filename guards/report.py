@@ -37,14 +37,14 @@ class Report:
         self.start_step, self.log, self.master = start_step, log, rank == 0
         seqs, self.tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
         # a compiled block saves its tensors at its end, so a unit of blocks re-runs whole (a core stays eager)
-        stop_early = checkpoint.rerun_stops_early(cfg, parts.recipe) and not (cfg.compile and
+        stop_early = checkpoint.rerun_stops_early(cfg, parts.precision) and not (cfg.compile and
                                                                              checkpoint.policy(cfg).block_units(1))
         self.flops_per_token, again = flops.per_token(cfg, stop_early)
         self.hw_flops_per_token = self.flops_per_token + again
-        self.peak = flops.peak_flops(cfg, parts.recipe, device)
+        self.peak = flops.peak_flops(cfg, parts.precision, device)
         if self.master:
             log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
-                f"precision {parts.recipe.name}, ckpt {cfg.ckpt}, attn {cfg.attn}, device {device}"
+                f"precision {parts.precision.name}, ckpt {cfg.ckpt}, attn {cfg.attn}, device {device}"
                 + (", each block compiled (torch.compile)" if cfg.compile else ""))
             log(f"effective batch = micro-batch {cfg.batch_size} x world_size {world_size} x accum {accum} "
                 f"= {seqs} sequences = {self.tokens_per_step} tokens per optimizer step")
@@ -170,7 +170,7 @@ def states_line(cfg, model, parts, world_size):
     show = lambda p, m, o: f"parameters {p / MiB:.2f}, master {m / MiB:.2f}, AdamW {o / MiB:.2f}"  # noqa: E731
     ranks = "; ".join(f"rank {r}: {show(*figures)}" for r, figures in enumerate(every))
     P = sum(p.numel() for p in params)  # (a DTensor's numel is the whole parameter's)
-    parameters, _, master, adamw = (n * P for n in memory_ledger.bytes_per_param_closed(parts.recipe.name))
+    parameters, _, master, adamw = (n * P for n in memory_ledger.bytes_per_param_closed(parts.precision.name))
     return (f"states per rank, MiB, shard={cfg.shard} over {world_size} ranks (measured): {ranks}; "
             f"every DDP rank (16 bytes a parameter): {show(parameters, master, adamw)}")
 

@@ -85,7 +85,7 @@ def _dense(t):
 def _check_scaler(scaler, cfg, step, need):
     """The loss scaler's state is one its config's scaler writes, by the scaler's own rule
     (precision.not_written_by)."""
-    why = precision.not_written_by(precision.recipe(cfg).loss_scaler(), scaler)
+    why = precision.not_written_by(precision.decide(cfg).loss_scaler(), scaler)
     need(why is None, f"the loss scaler's state is not what its config's scaler writes: {why}")
     need(scaler["skipped_steps"] <= step,
          f"the loss scaler's skipped_steps={scaler['skipped_steps']} is more than the {step} steps taken")
@@ -189,7 +189,7 @@ def check_model_state(state, model, path):
             raise UsageError(f"snapshot {path} is not usable: model entry {name} is {what}, this run writes "
                              f"{own[name].dtype if t.dtype != own[name].dtype else tuple(own[name].shape)}")
     maxima = torch.tensor([fp8_max(E4M3), fp8_max(E4M3), fp8_max(E5M2)])  # FP8Linear.fp8_max's columns
-    settings = precision.recipe(saved_config(state)).fp8  # the scales were written with the snapshot's margin
+    settings = precision.decide(saved_config(state)).fp8  # the scales were written with the snapshot's margin
     for prefix, layer in model.named_modules():
         history, scale = (state["model"].get(f"{prefix}.{k}") for k in ("amax_history", "scale"))
         if not isinstance(layer, FP8Linear) or history is None or scale is None:

@@ -26,7 +26,7 @@ def layer(cfg, t=1, sp=False):
     """(bytes block 0 keeps per GPU under TP t, and of those, the tensors the formula does not count as they are)."""
     traced = trace.step(cfg)
     terms, unmatched = ml.account(traced["saved_tensors"], traced["kinds"])
-    dtype = str(precision.recipe(cfg).param_dtype).removeprefix("torch.")
+    dtype = str(precision.decide(cfg).param_dtype).removeprefix("torch.")
     rows = [(term, s) for term, tensors in terms.items() for s in tensors] + [(None, s) for s in unmatched]
     mine = [(term, s) for term, s in rows if s.modules and s.modules[0].startswith("h.0.")]
     per_gpu = lambda pairs: sum(_split(s, term, traced, t, sp) for term, s in pairs)  # noqa: E731

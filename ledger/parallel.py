@@ -12,6 +12,7 @@ import math
 from dataclasses import replace
 
 import memory_ledger as ml
+import precision
 from config import Config
 from ledger import plan, trace
 
@@ -27,10 +28,12 @@ def zero_components(c, n, stage):
 
 
 def te_weights(c, cfg):
-    """Transformer Engine's row, from native FP8's counted one: its Linears keep an E4M3 weight and its
-    transpose across steps (1 byte each per weight element, in the parameters' row), not a copy per step."""
+    """Transformer Engine's row, from native FP8's counted one: its Linears quantize an E4M3 weight and its
+    transpose (1 byte each per weight element). FP8_KEEP_WEIGHT (is_first_microbatch set): cached across
+    steps, in the parameters' row; off (None): made by each forward and saved for its backward, activations."""
     linear = sum(n for _, n, dim, kind, _ in trace.step(cfg)["named"] if kind == "linear" and dim == 2)
-    return dict(c, parameters=c["parameters"] + 2 * linear, fp8_kept=0)
+    held = "parameters" if precision.decide(cfg).fp8.keep_weight else "activations"
+    return dict(c, **{held: c[held] + 2 * linear}, fp8_kept=0)
 
 
 def _split(saved, term, traced, t, sp):

@@ -248,7 +248,7 @@ class Peaks:
 def param_shapes(cfg):
     """Each parameter's shape in model.GPT's order, the model built on the meta device (no memory)."""
     with torch.device("meta"):
-        return [tuple(p.shape) for p in GPT(cfg, linear_factory=precision.recipe(cfg).linear_factory()).parameters()]
+        return [tuple(p.shape) for p in GPT(cfg, linear_factory=precision.decide(cfg).linear_factory()).parameters()]
 
 
 def differing_ranks(cfg, world):
@@ -275,13 +275,13 @@ def _most(x, y, budget, limit):
 
 @dataclass
 class Row:
-    """One configuration of the plan: its recipe (PRECISION's name), ckpt, shard and attn. b, accum: the
+    """One configuration of the plan: its precision (PRECISION's name), ckpt, shard and attn. b, accum: the
     micro-batch and the micro-steps to the target batch; peak: the traced bytes at the highest point of the
     highest rank; allocated, reserved, smi: what torch.cuda.max_memory_allocated, max_memory_reserved and
     nvidia-smi would show there (`allocator`); budget: what reserved may reach; sent: bytes a step's
     collectives move per rank (the paper's volume); step_s: the step time at the stated MFU (None without
     the GPU's FLOP/s); why: what stops it, or None; states: of the peak, what the rank holds all step."""
-    recipe: str
+    precision: str
     ckpt: str
     shard: str
     attn: str
@@ -355,9 +355,9 @@ def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MI
         except UsageError as e:
             row.why = re.split(r"[:;(]", str(e))[0].strip().lstrip("-")
             continue
-        rec = precision.recipe(one)
-        if gpu.tflops is not None and gpu.tflops[rec.name] is None:
-            row.why = f"does not run: {gpu.name} has no {rec.name.upper()} units"
+        prec = precision.decide(one)
+        if gpu.tflops is not None and gpu.tflops[prec.name] is None:
+            row.why = f"does not run: {gpu.name} has no {prec.name.upper()} units"
             continue
         # the loss in pieces only where the whole loss does not fit: each piece's logits re-run, a GEMM more
         for chunks in [fixed["loss_chunks"]] if fixed and "loss_chunks" in fixed else LOSS_CHUNKS:
@@ -431,7 +431,7 @@ def cost(row, one, gpu, world, mfu, peak_flops):
     tflops = gpu.tflops or ({p: peak_flops / 1e12 for p in PRECISIONS} if peak_flops else None)
     if tflops:
         fp8 = per_micro_step(peaks, "fp8_flops") * k
-        rest = precision.recipe(one).name if precision.recipe(one).fp8 is None else "bf16"
+        rest = precision.decide(one).name if precision.decide(one).fp8 is None else "bf16"
         row.step_s = (fp8 / (tflops["fp8"] or 1) + (flops - fp8) / tflops[rest]) / 1e12 / mfu
 
 

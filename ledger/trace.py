@@ -368,11 +368,11 @@ def loss_at_most(cfg, fake=True):
     """(bytes, [(dtype, shape, bytes)] alive then) of model.GPT.head_and_loss at its most beyond its inputs,
     forward and backward, run alone (fake=False: on real tensors, measured): what memory_ledger.
     loss_temporaries_closed states."""
-    rec = precision.recipe(cfg)
+    prec = precision.decide(cfg)
     with fake_tensors() if fake else contextlib.nullcontext(), cuda_rules(fake and emulated(cfg)):
         # one block is built, none runs: the head and the loss alone
-        gpt = model.GPT(dataclasses.replace(cfg, n_layer=1), rec.linear_factory()).to(rec.param_dtype)
-        x = torch.randn(cfg.batch_size, cfg.block_size, cfg.n_embd, dtype=rec.param_dtype, requires_grad=True)
+        gpt = model.GPT(dataclasses.replace(cfg, n_layer=1), prec.linear_factory()).to(prec.param_dtype)
+        x = torch.randn(cfg.batch_size, cfg.block_size, cfg.n_embd, dtype=prec.param_dtype, requires_grad=True)
         targets = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size))
         tracker, inputs = _Described("cpu"), [x, targets, *gpt.parameters(), *gpt.buffers()]
         with tracker:

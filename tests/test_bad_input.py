@@ -136,6 +136,8 @@ CASES = [
     (["--loss_scale=1e-320"], "within FP32's range", None),
     (["--seed=99999999999999999999"], "--seed must be <=", None),
     (["--fp8_backend=te"], "applies to precision=fp8 only", None),
+    (["--fp8_keep_weight"], "--fp8_keep_weight applies to precision=fp8 only, this run has precision=bf16", None),
+    (["--precision=fp8", "--fp8_keep_weight=maybe"], "--fp8_keep_weight expects true or false", None),
     (["--loss_scale_hysteresis=2"], "applies to dynamic loss scaling", None),
     (["--loss_scale_growth=1.5"], "--loss_scale_growth applies to dynamic loss scaling", None),
     (["--precision=fp16", "--loss_scale_growth=1"], "--loss_scale_growth must be in (1, 2^24], got 1.0", None),

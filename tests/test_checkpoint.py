@@ -305,15 +305,15 @@ def test_autocast_region_is_recomputed_under_autocast():
 
 @pytest.mark.parametrize("precision_name,policy", [("fp32", "full"), ("fp32", "sqrt"), ("bf16", "full")])
 def test_accumulation_steps_equal_none(precision_name, policy):
-    recipe = precision.recipe(Config(precision=precision_name))
+    prec = precision.decide(Config(precision=precision_name))
     micro = [batch(seed=s, b=1) for s in range(3)]  # K = 3
 
     def run(policy):
-        model = make_model(policy, dtype=recipe.param_dtype, dropout=0.1)
-        opt = precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, precision.AdamW(Config()),
+        model = make_model(policy, dtype=prec.param_dtype, dropout=0.1)
+        opt = precision.MasterWeightOptimizer(model.parameters(), prec.master_weights, precision.AdamW(Config()),
                                                  lr=1e-2)
-        buffers = accumulate.fp32_grad_buffers(model.parameters()) if recipe.master_weights else None
-        parts = accumulate.StepParts(recipe, recipe.loss_scaler(), opt, buffers)
+        buffers = accumulate.fp32_grad_buffers(model.parameters()) if prec.master_weights else None
+        parts = accumulate.StepParts(prec, prec.loss_scaler(), opt, buffers)
         torch.manual_seed(5)
         losses = [accumulate.accumulation_step(model, parts, micro)[0] for _ in range(2)]
         return losses, [p.detach().clone() for p in model.parameters()]
@@ -334,10 +334,10 @@ def test_ddp_no_sync_accumulation_equals_none():
         for policy in ("none", "full"):
             model = make_model(policy)
             ddp = torch.nn.parallel.DistributedDataParallel(model)
-            recipe = precision.recipe(Config(precision="fp32"))
-            opt = precision.MasterWeightOptimizer(model.parameters(), recipe.master_weights, precision.AdamW(Config()),
+            prec = precision.decide(Config(precision="fp32"))
+            opt = precision.MasterWeightOptimizer(model.parameters(), prec.master_weights, precision.AdamW(Config()),
                                                  lr=1e-2)
-            parts = accumulate.StepParts(recipe, recipe.loss_scaler(), opt)
+            parts = accumulate.StepParts(prec, prec.loss_scaler(), opt)
             loss = accumulate.accumulation_step(ddp, parts, micro, use_no_sync=True)[0]
             results.append((loss, [p.detach().clone() for p in model.parameters()]))
     finally:
@@ -605,7 +605,7 @@ def test_recompute_flops(dropout):
     assert total["selective"] - total["none"] == core_flops // 2
     step_ratio = (total["full"] - total["none"]) / total["none"]
     assert 0.15 < step_ratio < 1 / 3  # the embedding/head, not recomputed, dilute the 33%
-    # without the early stop (precision.Recipe.rerun_stops_early: TE) every re-run runs to its unit's end,
+    # without the early stop (precision.Precision.rerun_stops_early: TE) every re-run runs to its unit's end,
     # ours and PyTorch's alike, with the same gradients
     for recompute_fn in (checkpoint.recompute, checkpoint.torch_recompute):
         for policy, extra in (("full", blocks_fwd), ("selective", core_flops)):

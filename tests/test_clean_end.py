@@ -97,8 +97,8 @@ def test_the_rule_allows_what_the_dynamic_scaler_explains():
     """A real dynamic scaler falling from 2^16: 16 halvings (+ hysteresis-1 tolerated overflows)
     reach scale 1; a run of skips one longer overflowed at scale 1 and stops the run."""
     for hysteresis in (1, 3):
-        recipe = precision.recipe(parse_args(["--precision=fp16", f"--loss_scale_hysteresis={hysteresis}"]))
-        scaler, watch = recipe.loss_scaler(), guard.Divergence(recipe)
+        prec = precision.decide(parse_args(["--precision=fp16", f"--loss_scale_hysteresis={hysteresis}"]))
+        scaler, watch = prec.loss_scaler(), guard.Divergence(prec)
         explained = 16 + hysteresis - 1
         for step in range(1, explained + 1):
             scale = scaler.loss_scale
@@ -110,7 +110,7 @@ def test_the_rule_allows_what_the_dynamic_scaler_explains():
         assert watch.too_many == (explained + 1, explained + 1, 2.0 ** 16), \
             f"hysteresis {hysteresis}: a skip at scale 1 did not stop it (too_many={watch.too_many})"
         # a step that steps ends the run of skips: a new run counts from its own scale
-        fresh = guard.Divergence(recipe)
+        fresh = guard.Divergence(prec)
         for step, stepped in enumerate([False] * explained + [True] + [False] * explained, 1):
             fresh.after_step(step, 5.0, stepped, 2.0 ** 16)
         assert fresh.too_many is None, "two runs of skips, each explained, were added up"

@@ -305,7 +305,7 @@ def test_evaluation_and_sampling_run_eagerly():
     class Fixed:
         def next(self):
             return batches(1)[0]
-    train.estimate_loss(model, Fixed(), 1, parts.recipe)
+    train.estimate_loss(model, Fixed(), 1, parts.precision)
     train.sample(model, torch.device("cpu"), 3)
     assert counters["stats"]["unique_graphs"] == graphs, \
         f"evaluation and sampling compiled {counters['stats']['unique_graphs'] - graphs} graphs of their own"

@@ -487,13 +487,13 @@ def test_fp8_cpu_gemm_equals_torch_scaled_mm(shape, dtypes, out):
 # ---------------------------------------------------------------- the FP8 weight: once per optimizer step
 
 class FreshEveryForward:
-    """A recipe stand-in whose forwards all quantize W afresh (mode "fresh"): the reference."""
+    """A Precision stand-in whose forwards all quantize W afresh (mode "fresh"): the reference."""
 
-    def __init__(self, recipe):
-        self.recipe = recipe
+    def __init__(self, prec):
+        self.precision = prec
 
     def forward_context(self, model, micro_step=None):
-        return self.recipe.forward_context(model)
+        return self.precision.forward_context(model)
 
 
 def count_weight_quantizations(monkeypatch, model):
@@ -510,10 +510,11 @@ def count_weight_quantizations(monkeypatch, model):
 
 @pytest.mark.parametrize("grad,ckpt", [("bf16", "none"), ("e5m2", "none"), ("bf16", "full"), ("e5m2", "sqrt")])
 def test_fp8_weights_quantized_once_per_optimizer_step(tmp_path, monkeypatch, grad, ckpt):
-    cfg = tiny_cfg(tmp_path, "--precision=fp8", f"--fp8_grad={grad}", f"--ckpt={ckpt}", "--batch_size=2")
+    cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_keep_weight=true", f"--fp8_grad={grad}", f"--ckpt={ckpt}",
+                   "--batch_size=2")
     model, parts = train.build(cfg, torch.device("cpu"))
     ref_model, ref_parts = train.build(cfg, torch.device("cpu"))
-    ref_parts.recipe = FreshEveryForward(ref_parts.recipe)
+    ref_parts.precision = FreshEveryForward(ref_parts.precision)
     seen, weights = count_weight_quantizations(monkeypatch, model)
     batches, kept, copies, alive_in_adamw = batches_of(cfg), [], [], []
 
@@ -579,7 +580,7 @@ def test_fp8_refined_layer_computes_the_plain_recipe_bit_for_bit(recipe):
             y_plain.backward(g)
             y_refined.backward(g)
             assert torch.equal(x_plain.grad, x_refined.grad)
-        assert refined.weight_copy is not None and plain.weight_copy is None  # only the refined layer keeps W
+        assert refined.weight_copy is not None and not hasattr(plain, "weight_copy")  # only the refined keeps W
         for name in ("weight", "bias"):
             assert torch.equal(getattr(plain, name).grad, getattr(refined, name).grad), (step, name)
         fp8.release_weight_copies([plain, refined])
@@ -592,6 +593,82 @@ def test_fp8_refined_layer_computes_the_plain_recipe_bit_for_bit(recipe):
                     p.sub_(0.5 * p.grad)
                     p.grad = None
     assert (plain.amax_history[:, :2] > 0).all(1).sum() == min(4, plain.amax_history.shape[0])
+
+
+# ---------------------------------------------------------------- PRECISION=fp8 trains fp8.py; a flag per refinement
+
+def fp8_step(tmp_path, *flags, micro_steps=3):
+    """One optimizer step of a tiny fp8 model from the seed's weights: (the micro-steps' mean loss, {parameter
+    name: gradient} as AdamW gets them, the model, whether any FP8 weight copy was kept after a backward)."""
+    cfg = tiny_cfg(tmp_path, "--precision=fp8", "--batch_size=2", *flags)
+    model, parts = train.build(cfg, torch.device("cpu"))
+    batches, grads, kept = batches_of(cfg), {}, []
+
+    def observe(phase, *_):
+        if phase == "gradients":
+            kept.append(any(getattr(m, "weight_copy", None) is not None for m in parts.fp8_layers))
+        if phase == "step":
+            grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+    with measure.phases(model, parts, observe):
+        loss, _, _ = accumulate.accumulation_step(model, parts, [batches.next() for _ in range(micro_steps)])
+    return loss, grads, model, any(kept)
+
+
+def doubled(method):
+    """`method` (a function, or a staticmethod) with its output doubled: a learner's edit that shows."""
+    if isinstance(method, staticmethod):
+        return staticmethod(lambda *args: method.__func__(*args) * 2)
+    return lambda *args: method(*args) * 2
+
+
+@pytest.mark.parametrize("edited", ["FP8Linear.forward", "_FP8LinearFunction.forward"])
+def test_an_edit_to_fp8py_changes_a_default_fp8_step(tmp_path, monkeypatch, edited):
+    """The plain path is the default path: PRECISION=fp8 and no other flag trains fp8.py's FP8Linear, so an
+    edit to its forward, or to its Function's, changes the step's loss."""
+    loss, _, model, _ = fp8_step(tmp_path)
+    owner, name = edited.split(".")
+    monkeypatch.setattr(getattr(fp8, owner), name, doubled(vars(getattr(fp8, owner))[name]))
+    edited_loss, _, _, _ = fp8_step(tmp_path)
+    assert edited_loss != loss, f"fp8.{edited} edited to double its output, and a default fp8 step's loss is " \
+                                f"still {loss}: training does not run the code a learner reads in fp8.py"
+    built = {f"{type(m).__module__}.{type(m).__name__}" for m in fp8.layers(model)}
+    assert built == {"fp8.FP8Linear"}, f"PRECISION=fp8 alone built {', '.join(sorted(built))}, not fp8.FP8Linear"
+
+
+@pytest.mark.parametrize("ckpt", ["none", "full"])
+def test_fp8_keep_weight_changes_only_how_often_the_weight_is_quantized(tmp_path, monkeypatch, ckpt):
+    """FP8_KEEP_WEIGHT=true: each weight quantized once per optimizer step (micro-step 1), kept and reused; off,
+    in every forward (3 micro-steps, under full recompute each re-run again). The numbers are the same bits."""
+    runs, quantized, real = {}, [], fp8.quantize
+    monkeypatch.setattr(fp8, "quantize", lambda x, *args: quantized.append(x.data_ptr()) or real(x, *args))
+    for keep in ("false", "true"):
+        quantized.clear()
+        loss, grads, model, kept = fp8_step(tmp_path, f"--fp8_keep_weight={keep}", f"--ckpt={ckpt}")
+        # the model is alive, and its weights stay where they are: no other tensor had their addresses
+        runs[keep] = loss, grads, kept, [quantized.count(m.weight.data_ptr()) for m in fp8.layers(model)]
+    (loss_off, grads_off, kept_off, times_off), (loss_on, grads_on, kept_on, times_on) = runs["false"], runs["true"]
+    forwards = 3 * (2 if ckpt == "full" else 1)
+    assert times_off == [forwards] * len(times_off), f"without FP8_KEEP_WEIGHT each weight should be quantized in " \
+        f"each of the {forwards} forwards of a step, counted {times_off}"
+    assert times_on == [1] * len(times_on), f"FP8_KEEP_WEIGHT=true should quantize each weight once a step, " \
+                                            f"counted {times_on}"
+    assert kept_on and not kept_off, f"an FP8 weight kept after a backward: with the flag {kept_on}, without {kept_off}"
+    assert loss_on == loss_off, f"FP8_KEEP_WEIGHT changed the loss ({loss_off} -> {loss_on}), not only when W is quantized"
+    changed = [n for n in grads_off if not torch.equal(grads_off[n], grads_on[n])]
+    assert not changed, f"FP8_KEEP_WEIGHT changed the gradients of {', '.join(changed)}"
+
+
+def test_fp8_grad_e5m2_changes_only_the_backward(tmp_path):
+    """FP8_GRAD=e5m2: the output gradient in E5M2, the backward GEMMs in FP8. The forward is fp8.py's to the
+    bit (the same loss, the weights unchanged within a step), every FP8 Linear's weight gradient moves, and
+    no weight is kept: the weight copies are FP8_KEEP_WEIGHT's alone."""
+    loss, grads, model, _ = fp8_step(tmp_path)
+    hybrid_loss, hybrid_grads, _, kept = fp8_step(tmp_path, "--fp8_grad=e5m2")
+    assert hybrid_loss == loss, f"FP8_GRAD=e5m2 changed the forward: loss {loss} -> {hybrid_loss}"
+    linears = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+    same = [n for n in linears if torch.equal(grads[n], hybrid_grads[n])]
+    assert not same, f"FP8_GRAD=e5m2 left the BF16 backward's weight gradients of {', '.join(same)}"
+    assert not kept, "FP8_GRAD=e5m2 alone kept an FP8 weight copy"
 
 
 # ---------------------------------------------------------------- a model: gradients, training, recompute, snapshots
@@ -609,7 +686,7 @@ def test_fp8_model_gradients_reach_every_parameter(tmp_path):
             assert all(p.dtype == torch.bfloat16 for p in model.parameters())
             assert all(m.dtype == torch.float32 for m in parts.optimizer.master_params)
         x, y = batches_of(cfg).next()
-        with parts.recipe.forward_context(model):
+        with parts.precision.forward_context(model):
             _, loss = model(x, y)
         parts.scaler.backward(loss)
         grads[prec] = {n: p.grad for n, p in model.named_parameters()}
@@ -628,11 +705,15 @@ def test_fp8_training_reduces_loss_and_tracks_bf16(tmp_path, bf16_losses, extra)
     assert abs(tail(losses) - tail(bf16_losses)) < 0.1
 
 
+@pytest.mark.parametrize("keep", ["false", "true"])
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
-def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe):
+def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe, keep):
+    """fp8.py's layer (keep false): a re-run quantizes the same tensors with the same scales, and folds the same
+    amax into step_amax again, a max that changes nothing. FP8_KEEP_WEIGHT's: the re-run records no amax."""
     runs = {}
     for ckpt in ("none", "full"):
-        cfg = tiny_cfg(tmp_path, "--precision=fp8", f"--fp8_recipe={recipe}", "--fp8_margin=1", f"--ckpt={ckpt}")
+        cfg = tiny_cfg(tmp_path, "--precision=fp8", f"--fp8_recipe={recipe}", "--fp8_margin=1", f"--ckpt={ckpt}",
+                       f"--fp8_keep_weight={keep}")
         model, parts = train.build(cfg, torch.device("cpu"))
         calls = []  # (module, recomputing?, output) per FP8Linear forward
         for m in parts.fp8_layers:
@@ -642,11 +723,11 @@ def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe):
         for step in range(3):
             calls.clear()
             x, y = batches.next()
-            with parts.recipe.forward_context(model):
+            with parts.precision.forward_context(model):
                 _, loss = model(x, y)
             parts.scaler.backward(loss)
             grads.append([p.grad.clone() for p in model.parameters()])
-            records.append([m.recorded_forwards for m in parts.fp8_layers])
+            records.append([(m.step_amax.clone(), getattr(m, "recorded_forwards", 1)) for m in parts.fp8_layers])
             if ckpt == "full":
                 # every FP8 forward ran twice, but a unit's last one never returns from its re-run: the
                 # re-run stops as that layer's Function saves its tensors, the last ones the unit saves
@@ -661,8 +742,10 @@ def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe):
                       parts.fp8_layers)
     for g_none, g_full in zip(runs["none"][0], runs["full"][0]):
         assert all(torch.equal(a, b) for a, b in zip(g_none, g_full))
-    # one recorded forward per module per step, with or without recompute
-    assert runs["none"][1] == runs["full"][1] == [[1] * len(runs["none"][3])] * 3
+    # the same step amax, and (keep-weight's layer) one recorded forward per module per step, re-run or not
+    for step_none, step_full in zip(runs["none"][1], runs["full"][1]):
+        assert all(torch.equal(a, b) and n == f == 1 for (a, n), (b, f) in zip(step_none, step_full))
+    assert all(isinstance(m, fp8_refined.FP8Linear) == (keep == "true") for m in runs["full"][3])
     for s_none, s_full in zip(runs["none"][2], runs["full"][2]):
         assert all(torch.equal(s_none[k], s_full[k]) for k in s_none)
     # the history moved once per step: 3 rows filled, and the delayed scale is TE's formula
@@ -741,26 +824,30 @@ def fake_te(monkeypatch):
     fp8_te._te_recipe.cache_clear()
 
 
-def test_te_linears_are_told_the_micro_step(tmp_path, fake_te):
+@pytest.mark.parametrize("keep", ["false", "true"])
+def test_te_linears_are_told_the_micro_step(tmp_path, fake_te, keep):
     _, events = fake_te
-    cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te")
+    cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", f"--fp8_keep_weight={keep}")
     model, parts = train.build(cfg, torch.device("cpu"))
     n, batches = len(fp8.layers(model)), batches_of(cfg)
     accumulate.accumulation_step(model, parts, [batches.next() for _ in range(3)])
     linear = [e for e in events if e[0] == "linear"]
-    # TE caches the FP8 weight on micro-step 1 and reuses it after (is_first_microbatch)
-    assert [e[1] for e in linear] == [True] * n + [False] * 2 * n
+    # FP8_KEEP_WEIGHT: TE caches the FP8 weight on micro-step 1 and reuses it after (is_first_microbatch);
+    # without it, None: TE's default, the weight quantized in every forward
+    assert [e[1] for e in linear] == ([True] * n + [False] * 2 * n if keep == "true" else [None] * 3 * n)
     assert all(e[3] == 1 for e in linear)  # every forward inside TE's FP8 autocast
     events.clear()
-    with torch.no_grad(), parts.recipe.forward_context(model):  # evaluation: no micro-step, as before
+    with torch.no_grad(), parts.precision.forward_context(model):  # evaluation: no micro-step, as before
         model(*batches.next())
     assert [e[1] for e in events if e[0] == "linear"] == [None] * n
 
 
+@pytest.mark.parametrize("keep", ["false", "true"])
 @pytest.mark.parametrize("ckpt", ["full", "sqrt"])
-def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fake_te, ckpt):
+def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fake_te, ckpt, keep):
     _, events = fake_te
-    cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", f"--ckpt={ckpt}", "--n_layer=4")
+    cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", f"--ckpt={ckpt}", "--n_layer=4",
+                   f"--fp8_keep_weight={keep}")
     model, parts = train.build(cfg, torch.device("cpu"))
     n, batches = len(fp8.layers(model)), batches_of(cfg)
     units = len(checkpoint.POLICIES[ckpt]().block_units(cfg.n_layer))
@@ -768,7 +855,7 @@ def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fak
     returned = []
     for layer in fp8.layers(model):
         layer.register_forward_hook(lambda *_: returned.append(checkpoint.is_recomputing()))
-    assert not parts.recipe.rerun_stops_early
+    assert not parts.precision.rerun_stops_early
     accumulate.accumulation_step(model, parts, [batches.next() for _ in range(2)])
     assert returned.count(True) == 2 * n  # every layer's re-run returned, the units' last ones too
     linear = [e for e in events if e[0] == "linear"]
@@ -777,14 +864,15 @@ def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fak
     assert len(first) == len(again) == 2 * n and len(linear) == 4 * n
     # the forward inside activation_recompute_forward(recompute_phase=False) and the autocast;
     # the re-run inside recompute_phase=True and the autocast again (TE's checkpoint order),
-    # reusing the weight its forward cached
-    assert [e[1] for e in first] == [True] * n + [False] * n
-    assert all(e[1] is False and e[3] == 1 for e in again) and all(e[3] == 1 for e in first)
+    # reusing the weight its forward cached (FP8_KEEP_WEIGHT), else quantizing it afresh as the forward did
+    cached = keep == "true"
+    assert [e[1] for e in first] == ([True] * n + [False] * n if cached else [None] * 2 * n)
+    assert all(e[1] is (False if cached else None) and e[3] == 1 for e in again) and all(e[3] == 1 for e in first)
     assert [e for e in events if e[0] == "phase"].count(("phase", True)) == 2 * units
     rerun_starts = [i for i, e in enumerate(events) if e == ("phase", True)]
     assert all(events[i + 1] == ("autocast",) for i in rerun_starts)
     events.clear()
-    with torch.no_grad(), parts.recipe.forward_context(model):  # evaluation: no backward, so no recompute flags
+    with torch.no_grad(), parts.precision.forward_context(model):  # evaluation: no backward, so no recompute flags
         model(*batches.next())
     assert not [e for e in events if e[0] == "phase"] and len([e for e in events if e[0] == "linear"]) == n
 
@@ -891,12 +979,13 @@ def test_native_fp8_on_gpu_matches_cpu(cls):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("keep", ["false", "true"])
 @pytest.mark.parametrize("grad", ["bf16", "e5m2"])
-def test_native_fp8_recompute_on_gpu_gives_the_same_gradients(tmp_path, grad):
+def test_native_fp8_recompute_on_gpu_gives_the_same_gradients(tmp_path, grad, keep):
     if fp8_gemm.fp8_matmul_error("cuda"):
         pytest.skip(fp8_gemm.fp8_matmul_error("cuda"))
-    (none,), model = cuda_run(tmp_path, f"--fp8_grad={grad}")
-    (full,), _ = cuda_run(tmp_path, f"--fp8_grad={grad}", "--ckpt=full")
+    (none,), model = cuda_run(tmp_path, f"--fp8_grad={grad}", f"--fp8_keep_weight={keep}")
+    (full,), _ = cuda_run(tmp_path, f"--fp8_grad={grad}", f"--fp8_keep_weight={keep}", "--ckpt=full")
     linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, FP8Linear)}
     assert_same_gradients(none, full, linears)
 
@@ -906,7 +995,7 @@ def test_te_backend_trains_on_gpu(tmp_path):
     te = te_or_skip()
     cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", "--device=cuda", "--n_embd=64", "--max_iters=30")
     model, parts = train.build(cfg)
-    assert any(isinstance(m, te.Linear) for m in model.modules()) and parts.recipe.fp8.backend == "te"
+    assert any(isinstance(m, te.Linear) for m in model.modules()) and parts.precision.fp8.backend == "te"
     losses, _ = run_losses(tmp_path, "--precision=fp8", "--fp8_backend=te", "--device=cuda", "--n_embd=64",
                            "--max_iters=30")
     assert losses[-1] < losses[0] - 1.0
@@ -932,13 +1021,15 @@ def test_te_recompute_gives_the_same_gradients_and_history(tmp_path, ckpt):
 @pytest.mark.cuda
 def test_te_caches_the_fp8_weight_only_under_accumulation(tmp_path):
     te = te_or_skip()
-    _, model = cuda_run(tmp_path, "--fp8_backend=te")
+    _, model = cuda_run(tmp_path, "--fp8_backend=te", "--fp8_keep_weight=true")
     linears = [m for m in model.modules() if isinstance(m, te.Linear)]
     if not all(hasattr(m, "_fp8_workspaces") for m in linears):
         pytest.skip("this Transformer Engine keeps no _fp8_workspaces")
     assert all(len(m._fp8_workspaces) > 0 for m in linears)  # the weight, cached by is_first_microbatch
+    _, uncached = cuda_run(tmp_path, "--fp8_backend=te")  # no FP8_KEEP_WEIGHT: is_first_microbatch=None
+    assert all(len(m._fp8_workspaces) == 0 for m in uncached.modules() if isinstance(m, te.Linear))
     cfg = tiny_cfg(tmp_path, "--precision=fp8", "--fp8_backend=te", "--device=cuda", "--n_embd=64")
     fresh, fresh_parts = train.build(cfg)
-    with torch.no_grad(), fresh_parts.recipe.forward_context(fresh):  # evaluation: nothing cached
+    with torch.no_grad(), fresh_parts.precision.forward_context(fresh):  # evaluation: nothing cached
         fresh(*data.Batches(data.load_tokens(""), cfg.block_size, cfg.batch_size, 0, torch.device("cuda")).next())
     assert all(len(m._fp8_workspaces) == 0 for m in fresh.modules() if isinstance(m, te.Linear))

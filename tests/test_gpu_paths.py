@@ -111,18 +111,18 @@ def test_gpu_check_summary_reads_the_ledger_and_bench_files(tmp_path):
 def test_the_fast_configuration_names_the_peak_its_mfu_divides_by(monkeypatch):
     cfg = cli.parse_args(bench.FAST)
     assert (cfg.precision, cfg.attn, cfg.n_layer, cfg.n_embd, cfg.block_size) == ("bf16", "sdpa", 12, 768, 1024)
-    recipe = precision.recipe(cfg)
-    assert "measured" in bench.peak_source(cfg, recipe, torch.device("cpu"), 1.0)
-    assert bench.peak_source(parse_args(["--peak_flops=1e15"]), recipe, torch.device("cpu"), 1e15) == "--peak_flops"
+    prec = precision.decide(cfg)
+    assert "measured" in bench.peak_source(cfg, prec, torch.device("cpu"), 1.0)
+    assert bench.peak_source(parse_args(["--peak_flops=1e15"]), prec, torch.device("cpu"), 1e15) == "--peak_flops"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    peak = flops.peak_flops(cfg, recipe, torch.device("cuda"))
+    peak = flops.peak_flops(cfg, prec, torch.device("cuda"))
     assert peak == gpus.tflops("H200")["bf16"] * 1e12, f"H200's bf16 peak {peak:,} FLOP/s, not ledger/gpus.py's"
-    assert bench.peak_source(cfg, recipe, torch.device("cuda"), peak) == "NVIDIA H200, dense bf16 (ledger/gpus.py)"
+    assert bench.peak_source(cfg, prec, torch.device("cuda"), peak) == "NVIDIA H200, dense bf16 (ledger/gpus.py)"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 NVL")
-    assert flops.peak_flops(cfg, recipe, torch.device("cuda")) == gpus.tflops("H100-NVL")["bf16"] * 1e12, \
+    assert flops.peak_flops(cfg, prec, torch.device("cuda")) == gpus.tflops("H100-NVL")["bf16"] * 1e12, \
         "an H100 NVL read as another card"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Made-Up 9000")
-    assert flops.peak_flops(cfg, recipe, torch.device("cuda")) == 0.0, "an unknown GPU given another's peak"
+    assert flops.peak_flops(cfg, prec, torch.device("cuda")) == 0.0, "an unknown GPU given another's peak"
 
 
 # ---------------------------------------------------------------- the allocator's history: Python stacks

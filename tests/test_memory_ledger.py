@@ -36,12 +36,14 @@ def ledger(argv, device="cpu"):
 
 def combinations():
     """precision x ckpt x attn x dropout (bias off in a few); selective recomputes the manual core only. fp8
-    both ways: the BF16 backward and HYBRID's E5M2 one (fp8-e5m2 in the ids)."""
+    both ways: fp8.py's layer alone, and with both refinements, HYBRID's E5M2 backward and the FP8 weight
+    kept per step (fp8-e5m2-true in the ids)."""
     for prec, ckpt, attn, drop in itertools.product(("fp32", "bf16", "fp16", "fp8", "fp8e5m2"),
                                                     ("none", "full", "sqrt", "selective"), ("manual", "sdpa"),
                                                     ("0.0", "0.1")):
         if not (ckpt == "selective" and attn == "sdpa"):
-            precision = ["--precision=fp8", "--fp8_grad=e5m2"] if prec == "fp8e5m2" else [f"--precision={prec}"]
+            precision = ["--precision=fp8", "--fp8_grad=e5m2", "--fp8_keep_weight=true"] if prec == "fp8e5m2" \
+                else [f"--precision={prec}"]
             bias = "false" if (prec, ckpt) in (("bf16", "sqrt"), ("fp32", "selective"), ("fp8", "full")) else "true"
             yield precision + [f"--ckpt={ckpt}", f"--attn={attn}", f"--dropout={drop}", f"--bias={bias}"]
 
@@ -80,6 +82,8 @@ def test_every_component_exact_for_one_sequence(argv):
                                   ["--ckpt=sqrt", "--n_layer=5"], ["--precision=fp16", "--loss_scale=1024"],
                                   ["--fp32_grad_accum", "--precision=fp8", "--fp8_grad=e5m2"],
                                   ["--precision=fp8", "--fp8_recipe=current", "--ckpt=sqrt"],
+                                  ["--precision=fp8", "--fp8_keep_weight=true", "--ckpt=sqrt"],
+                                  ["--precision=fp8", "--fp8_grad=e5m2", "--ckpt=full"],
                                   ["--ckpt=full", "--ckpt_impl=naive"], ["--ckpt=sqrt", "--ckpt_impl=naive"],
                                   # 24 tokens: HYBRID's weight gradient dequantizes (FP8 GEMMs want multiples of 16)
                                   ["--precision=fp8", "--fp8_grad=e5m2", "--batch_size=1", "--block_size=24"],
@@ -186,7 +190,8 @@ def test_a_change_to_model_py_is_exact_and_named(monkeypatch, change):
         assert "activation" in said and said["activation"][0].startswith("as the formula counts them, 0 bytes"), said
 
 
-@pytest.mark.parametrize("argv", [["--precision=fp8"], ["--precision=fp8", "--fp8_grad=e5m2", "--ckpt=full"],
+@pytest.mark.parametrize("argv", [["--precision=fp8"], ["--precision=fp8", "--fp8_grad=e5m2", "--ckpt=full",
+                                                     "--fp8_keep_weight=true"],
                                   ["--precision=bf16", "--ckpt=sqrt"], ["--precision=fp32", "--attn=sdpa"]])
 def test_activations_are_saved_bytes_and_the_forward_leaves_nothing_else(argv):
     """The activations are the storages saved for backward (SavedBytes), less the FP8 weight copies the
@@ -252,29 +257,32 @@ def test_sixteen_bytes_per_param_for_mixed_precision_adam():
 
 
 def linear_weights(cfg):
-    """(elements of every FP8 Linear's weight, how many) of model.GPT as cfg's recipe builds it, on the meta
+    """(elements of every FP8 Linear's weight, how many) of model.GPT as precision.decide(cfg) builds it, on the meta
     device: the Linears the FP8 factory made (an untied head a learner adds stays a BF16 nn.Linear)."""
     with torch.device("meta"):
-        gpt = model.GPT(cfg, precision.recipe(cfg).linear_factory())
+        gpt = model.GPT(cfg, precision.decide(cfg).linear_factory())
     sizes = [m.weight.numel() for m in fp8.layers(gpt)]
     return sum(sizes), len(sizes)
 
 
+@pytest.mark.parametrize("keep", ["false", "true"])
 @pytest.mark.parametrize("grad", ["bf16", "e5m2"])
-def test_fp8_weight_copies(grad):
-    """Native FP8Linear keeps each E4M3 weight (with its 8-byte scale and amax storages) for one step, not
-    as state; HYBRID adds a column-major twin in backward."""
+def test_fp8_weight_copies(grad, keep):
+    """FP8_KEEP_WEIGHT: native FP8Linear keeps each E4M3 weight (with its 8-byte scale and amax storages) for
+    one step, not as state; HYBRID adds a column-major twin in backward. Without it nothing is kept."""
     cfg, rows, ok, meas, _ = ledger(["--n_embd=64", "--n_head=4", "--block_size=32", "--precision=fp8",
-                                     f"--fp8_grad={grad}"])
+                                     f"--fp8_grad={grad}", f"--fp8_keep_weight={keep}"])
     weights, n = linear_weights(cfg)
-    want = (2 if grad == "e5m2" else 1) * weights + 16 * n
-    assert meas["fp8_kept"] == want and ok, f"FP8 copies kept: measured {meas['fp8_kept']:,} bytes, {n} FP8 " \
-        f"Linears of {weights:,} weight elements make {want:,} ({'two copies' if grad == 'e5m2' else 'one copy'} " \
-        f"of 1 byte an element, 16 bytes of scale and amax each); the ledger's checks pass: {ok}"
+    want = ((2 if grad == "e5m2" else 1) * weights + 16 * n) * (keep == "true")
+    assert meas["fp8_kept"] == want and ok, f"FP8 copies kept with FP8_KEEP_WEIGHT={keep}: measured " \
+        f"{meas['fp8_kept']:,} bytes, where {n} FP8 Linears of {weights:,} weight elements make {want:,} (with the " \
+        f"flag {'two copies' if grad == 'e5m2' else 'one copy'} of 1 byte an element and 16 bytes of scale and amax " \
+        f"each, without it none); the ledger's checks pass: {ok}"
 
 
-@pytest.mark.parametrize("argv", [["--precision=fp8"], ["--precision=fp8", "--fp8_grad=e5m2", "--ckpt=full"],
-                                  ["--precision=fp8", "--fp32_grad_accum"]])
+@pytest.mark.parametrize("argv", [["--precision=fp8"], ["--precision=fp8", "--fp8_keep_weight=true"],
+                                  ["--precision=fp8", "--fp8_keep_weight=true", "--fp8_grad=e5m2", "--ckpt=full"],
+                                  ["--precision=fp8", "--fp8_keep_weight=true", "--fp32_grad_accum"]])
 def test_fp8_copies_are_kept_across_micro_steps(argv):
     """K = 2: micro-step 2 starts with what micro-step 1 started with, plus micro-step 1's .grad (not where
     FP32 sums took them), the FP8 copies it kept (e5m2: the twins its backward made too), and two 4-byte
@@ -293,7 +301,7 @@ def test_fp8_copies_are_kept_across_micro_steps(argv):
         end = tracker.read()
     grads = 0 if cfg.fp32_grad_accum else meas["gradients"]
     assert forwards[0] == start and forwards[1] - forwards[0] == grads + meas["fp8_kept"] + 2 * 4
-    assert end == start and all(m.weight_copy is None for m in parts.fp8_layers)
+    assert end == start and all(getattr(m, "weight_copy", None) is None for m in parts.fp8_layers)
 
 
 def memtracker():

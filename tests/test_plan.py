@@ -238,7 +238,7 @@ def test_gpu_check_carries_the_plans_cuda_check(tmp_path, capsys):
     figures = dict(device="NVIDIA H200", cuda_total=150 * 2 ** 30, free=149 * 2 ** 30, context=2 ** 29,
                    workspace=2 ** 25, smi_total=151 * 2 ** 30, driver=2 ** 30, emulated=10 * 2 ** 30,
                    cap=19 * 2 ** 29, bound=2 ** 28, b=4, predicted=9 * 2 ** 30, predicted_next=11 * 2 ** 30,
-                   recipe="bf16", ckpt="none", attn="manual", allocated=9 * 2 ** 30 + 2 ** 25,
+                   precision="bf16", ckpt="none", attn="manual", allocated=9 * 2 ** 30 + 2 ** 25,
                    reserved=9 * 2 ** 30 + 2 ** 26, next_fits=False, next_allocated=None, ok=True,
                    rules=dict(fp32=rule, bf16=rule, fp8=rule, same=True))
     (tmp_path / "plan").mkdir()

@@ -1,4 +1,4 @@
-"""precision.py: the recipe, the loss scaler against torch.amp.GradScaler, master weights,
+"""precision.py: decide (a run's Precision), the loss scaler against torch.amp.GradScaler, master weights,
 FP16's underflow, and the dtype table demo (FP8 is tests/test_fp8.py).
 CPU, tiny models: FP16 matmuls run at about 1 GFLOP/s on CPU."""
 import copy
@@ -80,10 +80,10 @@ def drive_gradscaler(overflows, growth_interval, factors=(2.0, 0.5)):
 def drive_ours(overflows, growth_interval, hysteresis=1, factors=(2.0, 0.5)):
     """Our scaler, as the config builds it, beside MasterWeightOptimizer (so its one-reduction inf check runs)."""
     model = torch.nn.Linear(4, 4).half()
-    recipe = precision.recipe(Config(precision="fp16", loss_scale_hysteresis=hysteresis, loss_scale_growth=factors[0],
+    prec = precision.decide(Config(precision="fp16", loss_scale_hysteresis=hysteresis, loss_scale_growth=factors[0],
                                      loss_scale_backoff=factors[1], loss_scale_interval=growth_interval))
-    scaler = recipe.loss_scaler()
-    parts = accumulate.StepParts(recipe, scaler, MasterWeightOptimizer(model.parameters(), True, precision.AdamW(Config()), lr=0.1))
+    scaler = prec.loss_scaler()
+    parts = accumulate.StepParts(prec, scaler, MasterWeightOptimizer(model.parameters(), True, precision.AdamW(Config()), lr=0.1))
     scales, stepped_flags = [], []
     for bad in overflows:
         for p in model.parameters():
@@ -140,7 +140,7 @@ def test_the_overflows_a_scaler_explains_are_its_own_count(hysteresis):
 
 
 def test_scaler_from_config_modes():
-    scaler = lambda loss_scale, prec: precision.recipe(Config(loss_scale=loss_scale, precision=prec)).loss_scaler()
+    scaler = lambda loss_scale, prec: precision.decide(Config(loss_scale=loss_scale, precision=prec)).loss_scaler()
     assert scaler("auto", "fp16").mode == "dynamic"
     assert scaler("auto", "bf16").loss_scale == 1.0
     assert scaler("1024", "fp16").loss_scale == 1024.0
@@ -170,7 +170,7 @@ def test_injected_inf_skips_exactly_that_step(tmp_path):
     x, y = a_batch(cfg)
     stepped, states, scales = [], [], [parts.scaler.loss_scale]
     for step in range(4):
-        with parts.recipe.forward_context(model):
+        with parts.precision.forward_context(model):
             _, loss = model(x, y)
         parts.scaler.backward(loss)
         if step == 2:
@@ -247,7 +247,7 @@ def test_fp16_without_scaling_underflows_as_the_demo_reports(tmp_path):
     shares = {}
     for mode in ("none", "dynamic"):
         model, parts = train.build(tiny_cfg(tmp_path, "--precision=fp16", f"--loss_scale={mode}", *common))
-        with parts.recipe.forward_context(model):
+        with parts.precision.forward_context(model):
             _, loss = model(x, y)
         parts.scaler.backward(loss)  # the trainer's own path: loss * scale, backward in FP16
         shares[mode] = lost_share([p.grad for p in model.parameters()], ref, torch.float16)

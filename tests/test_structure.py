@@ -25,7 +25,7 @@ ROOT_BUDGET = 2660  # lines of the chapter's files at the root, together (2,600 
 LOOP_BUDGET = 60  # lines of train.train_loop: the loop reads top to bottom
 PRECISION_KEYS = {"precision", "loss_scale", "loss_scale_hysteresis", "loss_scale_growth", "loss_scale_backoff",
                   "loss_scale_interval", "fp8_backend", "fp8_recipe",
-                  "fp8_amax_history", "fp8_margin", "fp8_grad"}
+                  "fp8_amax_history", "fp8_margin", "fp8_grad", "fp8_keep_weight"}
 
 
 def project_files():
@@ -104,7 +104,9 @@ def test_every_file_is_short_and_says_what_to_read_first(name):
 def reads_of_precision_keys(path):
     """[(function, key)] where `path` reads an attribute named like a precision key. A loss
     scaler's own `loss_scale` (the current scale, `scaler.loss_scale` or `self.loss_scale`
-    inside LossScaler) is its state, not the config key."""
+    inside LossScaler) is its state, not the config key; a run's `precision` (the Precision in
+    a StepParts, `parts.precision`, and in guards/clean_end.Divergence; any `.precision` whose own
+    attribute is read) and a plan row's (ledger/plan.Row: `r`, `row`, `best`) are not the key either."""
     out = []
 
     def visit(node, where, cls):
@@ -115,7 +117,10 @@ def reads_of_precision_keys(path):
                 base = ast.unparse(child.value)
                 scaler_state = child.attr == "loss_scale" and (base.endswith("scaler") or
                                                                (base == "self" and cls == "LossScaler"))
-                if not scaler_state:
+                decided = child.attr == "precision" and (base.endswith("parts") or base in ("r", "row", "best")
+                                                         or (base == "self" and cls == "Divergence")
+                                                         or (isinstance(node, ast.Attribute) and node.value is child))
+                if not scaler_state and not decided:
                     out.append((where, child.attr))
             visit(child, inner, inner_cls)
     visit(ast.parse(path.read_text()), "<module>", None)
@@ -123,14 +128,14 @@ def reads_of_precision_keys(path):
 
 
 def test_precision_keys_are_read_in_one_place():
-    """PRECISION, LOSS_SCALE and the FP8_* keys: config.py validates them, precision.recipe()
-    turns them into the Recipe, and every other file asks the Recipe."""
+    """PRECISION, LOSS_SCALE and the FP8_* keys: config.py validates them, precision.decide()
+    turns them into the Precision, and every other file asks the Precision."""
     for name, path in project_files().items():
         if name == "config":
             continue
         reads = reads_of_precision_keys(path)
         if name == "precision":
-            assert reads and {where for where, _ in reads} == {"recipe"}, reads
+            assert reads and {where for where, _ in reads} == {"decide"}, reads
         else:
             assert not reads, (name, reads)
 
@@ -139,25 +144,34 @@ def test_precision_keys_are_read_in_one_place():
     ("fp32", torch.float32, False, "none", torch.nn.Linear),
     ("bf16", torch.bfloat16, True, "none", torch.nn.Linear),
     ("fp16", torch.float16, True, "dynamic", torch.nn.Linear),
-    ("fp8", torch.bfloat16, True, "none", fp8_refined.FP8Linear),
+    ("fp8", torch.bfloat16, True, "none", fp8.FP8Linear),  # fp8.py's own: no refinement is on
 ])
-def test_the_recipe_of_each_precision(prec, dtype, master, scaler, linear):
-    recipe = precision.recipe(Config(precision=prec))
-    assert recipe.param_dtype == dtype and recipe.master_weights == master
-    assert recipe.loss_scaler().mode == scaler
-    assert recipe.element_bytes == torch.empty((), dtype=dtype).element_size()
-    layer = recipe.linear_factory()(32, 16, True)
+def test_what_each_precision_decides(prec, dtype, master, scaler, linear):
+    decided = precision.decide(Config(precision=prec))
+    assert decided.param_dtype == dtype and decided.master_weights == master
+    assert decided.loss_scaler().mode == scaler
+    assert decided.element_bytes == torch.empty((), dtype=dtype).element_size()
+    layer = decided.linear_factory()(32, 16, True)
     assert type(layer) is linear
-    assert (recipe.fp8 is not None) == (prec == "fp8")
+    assert (decided.fp8 is not None) == (prec == "fp8")
     if prec != "fp8":
-        assert recipe.linear_factory() is default_linear
+        assert decided.linear_factory() is default_linear
 
 
-def test_a_recipe_is_decided_once_from_the_loss_scale_keys():
-    assert precision.recipe(Config(precision="bf16", loss_scale="dynamic")).loss_scaler().mode == "dynamic"
-    static = precision.recipe(Config(precision="fp16", loss_scale="1024")).loss_scaler()
+@pytest.mark.parametrize("flags,linear", [({}, fp8.FP8Linear), (dict(fp8_keep_weight=True), fp8_refined.FP8Linear),
+                                          (dict(fp8_grad="e5m2"), fp8_refined.FP8Linear)])
+def test_fp8_builds_fp8pys_layer_unless_a_refinement_is_on(flags, linear):
+    """The plain path is the default path: PRECISION=fp8 alone builds the layer fp8.py's reader reads."""
+    layer = precision.decide(Config(precision="fp8", **flags)).linear_factory()(32, 16, True)
+    built, wanted = (f"{c.__module__}.{c.__name__}" for c in (type(layer), linear))
+    assert built == wanted, f"precision=fp8 with {flags or 'no other flag'} built {built}, not {wanted}"
+
+
+def test_a_precision_is_decided_once_from_the_loss_scale_keys():
+    assert precision.decide(Config(precision="bf16", loss_scale="dynamic")).loss_scaler().mode == "dynamic"
+    static = precision.decide(Config(precision="fp16", loss_scale="1024")).loss_scaler()
     assert static.mode == "static" and static.loss_scale == 1024.0
-    te = precision.recipe(Config(precision="fp8", fp8_backend="te", fp8_recipe="current", fp8_amax_history=4))
+    te = precision.decide(Config(precision="fp8", fp8_backend="te", fp8_recipe="current", fp8_amax_history=4))
     assert te.fp8 == fp8.Settings(backend="te", scaling="current", history=4, margin=0, grad="bf16")
 
 

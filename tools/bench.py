@@ -58,8 +58,8 @@ COMPILE_ROWS = {True: [("fp32", ["--precision=fp32"]), ("bf16", ["--precision=bf
     "--precision=bf16", "--ckpt=full"]), ("bf16 selective", ["--precision=bf16", "--ckpt=selective"])],
     False: [("bf16 sdpa L12 h768", FAST), ("bf16 sdpa L12 h768 full", FAST + ["--ckpt=full"])]}
 FP8_ROWS = (("fp8", ["--precision=fp8", "--fp8_backend=native", "--fp8_grad=bf16"]),
-            ("fp8 hybrid", ["--precision=fp8", "--fp8_backend=native", "--fp8_grad=e5m2"]),
-            ("fp8 te", ["--precision=fp8", "--fp8_backend=te"]))
+            ("fp8 hybrid", ["--precision=fp8", "--fp8_backend=native", "--fp8_grad=e5m2", "--fp8_keep_weight=true"]),
+            ("fp8 te", ["--precision=fp8", "--fp8_backend=te", "--fp8_keep_weight=true"]))
 
 
 @dataclass
@@ -74,7 +74,7 @@ class BenchOptions:
 
 class AutocastReference:
     """PyTorch's own mixed precision, the reference: FP32 weights, matmuls under torch.autocast.
-    It stands in for the recipe in accumulate.StepParts, which only asks it for a forward context."""
+    It stands in for the Precision in accumulate.StepParts, which only asks it for a forward context."""
 
     def __init__(self, device_type):
         self.device_type = device_type
@@ -89,9 +89,9 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
     device = train.pick_device(cfg)
     tokens, _ = split_tokens(load_tokens(cfg.data), cfg.block_size)
     model, parts = train.build(cfg, device)
-    recipe = parts.recipe
+    prec = parts.precision
     if autocast_reference:
-        parts.recipe = AutocastReference(device.type)
+        parts.precision = AutocastReference(device.type)
     batches = Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
     accum = train.resolve_accum(cfg, 1)
     times = []
@@ -104,9 +104,9 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
     tokens_per_s = cfg.batch_size * accum * cfg.block_size / dt
     # autocast runs bf16 matmuls, so its MFU is against the bf16 peak
     if autocast_reference:
-        recipe = precision.recipe(replace(cfg, precision="bf16"))
-    peak = flops.peak_flops(cfg, recipe, device)
-    model_flops, extra = flops.per_token(cfg, checkpoint.rerun_stops_early(cfg, recipe))
+        prec = precision.decide(replace(cfg, precision="bf16"))
+    peak = flops.peak_flops(cfg, prec, device)
+    model_flops, extra = flops.per_token(cfg, checkpoint.rerun_stops_early(cfg, prec))
     if device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(device)
     else:
@@ -115,9 +115,9 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
     # measured saved-tensor bytes): the activation memory a policy saves
     activations = None if autocast_reference else \
         trace.step(replace(cfg, device=device.type))["activations"]  # autocast: not traced
-    return dict(precision="autocast-bf16" if autocast_reference else recipe.name, ckpt=cfg.ckpt,
+    return dict(precision="autocast-bf16" if autocast_reference else prec.name, ckpt=cfg.ckpt,
                 tokens_per_s=tokens_per_s, ms_per_step=1000 * dt, peak_flops=peak,
-                peak_flops_source=peak_source(cfg, recipe, device, peak),
+                peak_flops_source=peak_source(cfg, prec, device, peak),
                 mfu=flops.utilization(tokens_per_s, model_flops, peak),
                 hfu=flops.utilization(tokens_per_s, model_flops + extra, peak),
                 peak_mem_bytes=peak_mem, activation_bytes=activations, device=str(device),
@@ -149,7 +149,7 @@ def measure_pair(flags, pairs, warmup):
     same = cfg.dropout == 0 and all(torch.equal(a, b) for a, b in zip(runs["ours"][0].parameters(),
                                                                       runs["torch"][0].parameters()))
     peaks = {who: step_peak(model, parts, micro, cfg, device) for who, (model, parts) in runs.items()}
-    return dict(section="ckpt ref", precision=runs["ours"][1].recipe.name, ckpt=cfg.ckpt, pairs=pairs,
+    return dict(section="ckpt ref", precision=runs["ours"][1].precision.name, ckpt=cfg.ckpt, pairs=pairs,
                 time_ours_vs_torch=statistics.median(ratios), time_ratios=ratios,
                 ms_per_step_ours=1000 * statistics.median(times["ours"][warmup:]),
                 ms_per_step_torch=1000 * statistics.median(times["torch"][warmup:]),
@@ -162,9 +162,9 @@ def pair_models(cfg, device):
     applies our recompute), the second with the policy's units given to torch.utils.checkpoint."""
     runs = dict(ours=train.build(cfg, device), torch=train.build(cfg, device))
     model, parts = runs["torch"]
-    checkpoint.apply_policy(model, checkpoint.policy(cfg), parts.recipe.recompute_contexts,
+    checkpoint.apply_policy(model, checkpoint.policy(cfg), parts.precision.recompute_contexts,
                             recompute_fn=checkpoint.torch_recompute,
-                            stop_early=checkpoint.rerun_stops_early(cfg, parts.recipe))
+                            stop_early=checkpoint.rerun_stops_early(cfg, parts.precision))
     return runs
 
 
@@ -191,15 +191,15 @@ def step_peak(model, parts, micro, cfg, device):
     return tracker.peak - start
 
 
-def peak_source(cfg, recipe, device, peak):
+def peak_source(cfg, prec, device, peak):
     """Where the peak FLOP/s MFU divides by comes from, in words (flops.peak_flops decides it)."""
     if cfg.peak_flops > 0:
         return "--peak_flops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        return f"{name}, dense {recipe.name} (ledger/gpus.py)" if peak else \
-            f"none: {name} is not in ledger/gpus.py, or has no {recipe.name} units (give --peak_flops)"
-    return f"measured: this CPU's {recipe.param_dtype} addmm (flops.peak_flops)"
+        return f"{name}, dense {prec.name} (ledger/gpus.py)" if peak else \
+            f"none: {name} is not in ledger/gpus.py, or has no {prec.name} units (give --peak_flops)"
+    return f"measured: this CPU's {prec.param_dtype} addmm (flops.peak_flops)"
 
 
 def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False, pair=False, script=__file__):

@@ -54,12 +54,12 @@ def measure_compiled(flags, pairs, warmup):
     ratios = [e / c for e, c in zip(times["eager"][warmup:], times["compiled"][warmup:])]
     ms = {who: 1000 * statistics.median(t[warmup:]) for who, t in times.items()}
     model, parts = runs["eager"]
-    peak = flops.peak_flops(cfg, parts.recipe, device)
+    peak = flops.peak_flops(cfg, parts.precision, device)
     tokens_per_step = cfg.batch_size * accum * cfg.block_size
-    row = dict(section="compile", precision=parts.recipe.name, ckpt=cfg.ckpt, attn=cfg.attn, pairs=pairs,
+    row = dict(section="compile", precision=parts.precision.name, ckpt=cfg.ckpt, attn=cfg.attn, pairs=pairs,
                first_step_s=first["compiled"], first_step_eager_s=first["eager"], speedup=statistics.median(ratios),
                time_ratios=ratios, peak_flops=peak, device=str(device),
-               peak_flops_source=bench.peak_source(cfg, parts.recipe, device, peak), config=dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
+               peak_flops_source=bench.peak_source(cfg, parts.precision, device, peak), config=dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
                                                batch_size=cfg.batch_size, accum=accum))
     for who, (model, parts) in runs.items():
         tok_s = tokens_per_step / (ms[who] / 1000)
@@ -67,7 +67,7 @@ def measure_compiled(flags, pairs, warmup):
                 f"mfu_{who}": flops.utilization(tok_s, flops.per_token(cfg)[0], peak),
                 f"peak_{who}": step_peak(model, parts, micro, cfg, device),
                 f"gemm_share_{who}": gemm_share(model, parts, micro, cfg, device)}
-    row["line"] = line(row, f"{parts.recipe.name} {cfg.ckpt}")  # what tools/bench.py prints
+    row["line"] = line(row, f"{parts.precision.name} {cfg.ckpt}")  # what tools/bench.py prints
     return row
 
 

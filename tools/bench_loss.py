@@ -69,8 +69,8 @@ def measure_pieces(flags, rounds, warmup):
         ratios = [whole / piece for whole, piece in zip(times[1][warmup:], times[k][warmup:])]
         peak = step_peak(model, parts, micro, cfg, device)
         loss = trace.loss_at_most(replace(cfg, loss_chunks=k), fake=False)[0]
-        rows.append(dict(section="loss", precision=parts.recipe.name, loss_chunks=k, vocab_size=VOCAB, rounds=rounds,
-                         tokens_per_s=tokens_per_step / statistics.median(times[k][warmup:]), peak_bytes=peak,
+        rows.append(dict(section="loss", precision=parts.precision.name, loss_chunks=k, vocab_size=VOCAB,
+                         rounds=rounds, tokens_per_s=tokens_per_step / statistics.median(times[k][warmup:]), peak_bytes=peak,
                          loss_bytes=loss, loss_share=loss / peak, speed_vs_whole=statistics.median(ratios),
                          speed_ratios=ratios, device=str(device),
                          config=dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,

@@ -90,7 +90,7 @@ def compare(cfg, traced, meas):
 
 
 def format_comparison(cfg, rows, traced, meas):
-    lines = [f"memory ledger: precision {precision.recipe(cfg).name}, ckpt {cfg.ckpt}, attn {cfg.attn}, "
+    lines = [f"memory ledger: precision {precision.decide(cfg).name}, ckpt {cfg.ckpt}, attn {cfg.attn}, "
              f"L={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} s={cfg.block_size} b={cfg.batch_size} "
              f"dropout={cfg.dropout}, device {cfg.device}: model.py's step traced on fake tensors (ledger/trace.py) "
              f"and measured", f"{'component':12} {'traced':>14} {'measured':>14}  check"]
@@ -104,7 +104,7 @@ def format_comparison(cfg, rows, traced, meas):
 
 def measured_only(cfg, meas, error):
     """The measured components, and why there is no trace: in words, with what it most often means."""
-    lines = [f"memory ledger: precision {precision.recipe(cfg).name}, ckpt {cfg.ckpt}, the step measured only",
+    lines = [f"memory ledger: precision {precision.decide(cfg).name}, ckpt {cfg.ckpt}, the step measured only",
              f"{'component':12} {'measured':>14}"] + [f"{k:12} {meas[k]:14,d}" for k in (*ml.COMPONENTS, "peak")]
     return "\n".join(lines + [f"the trace (ledger/trace.py: model.py on fake tensors) failed: {in_words(error)}; a "
                               f"fake tensor has shapes and no values, so a model that reads one (.item(), a "
@@ -117,7 +117,7 @@ def format_closed_forms(cfg, traced, meas):
     states = lambda d: sum(d[k] for k in ("parameters", "gradients", "master", "optimizer"))  # noqa: E731
     P, n_tensors = traced["params"]
     closed, named = ml.state_differences(cfg, P, n_tensors, states(traced))
-    per = ml.bytes_per_param_closed(precision.recipe(cfg).name)
+    per = ml.bytes_per_param_closed(precision.decide(cfg).name)
     lines = ["the chapter's closed forms beside the trace (exact) and the measurement, bytes:",
              f"{'':28} {'closed form':>14} {'traced':>14} {'measured':>14}  the closed form's formula:",
              f"{'model states':28} {closed:14,d} {states(traced):14,d} {states(meas):14,d}  "
@@ -204,8 +204,8 @@ def technique_rows(cfg, device, opts, measure_runs=True, skipped=None):
     Gradient accumulation: K = cfg.accum when > 1 (else 4); the row is the same batch of
     b sequences taken in K micro-batches of ceil(b/K), so only the activations shrink.
     FP8: native is measured where its matmul runs on the device; Transformer Engine is a formula row:
-    native's activations (an approximation: TE's saved tensors are its own) plus its cached FP8 weight
-    and transpose. The parallel techniques are ledger/parallel.py's parallel_rows, formulas on this
+    native's activations (an approximation: TE's saved tensors are its own) plus its FP8 weight and
+    transpose (cached across steps under FP8_KEEP_WEIGHT, else saved for backward: ledger/parallel.te_weights). The parallel techniques are ledger/parallel.py's parallel_rows, formulas on this
     config's trace. skipped: None (a row that fails raises), or a list that gets one line per row left
     out, saying why (`make ledger` goes on without it). COMPILE: one more row, the compiled blocks.
     """
@@ -295,7 +295,7 @@ def check_options(cfg, opts, argv):
     if ignored:
         raise UsageError(f"--{', --'.join(sorted(ignored))}: the ledger measures one step on random tokens, "
                          f"nothing else applies")
-    fp8_settings = precision.recipe(cfg).fp8
+    fp8_settings = precision.decide(cfg).fp8
     if fp8_settings is not None and fp8_settings.backend == "te":
         raise UsageError("the ledger measures fp8_backend=native only (Transformer Engine's cached FP8 "
                          "weights are a formula row of its table); use --fp8_backend=native")
@@ -348,7 +348,7 @@ def program(argv):
                                     for k, t, m, good, rule in rows]), indent=1)
     skipped = []
     table = technique_rows(cfg, device, opts, measure_runs=opts.table == "measure", skipped=skipped)
-    say(f"\nfour components x techniques (per GPU, this config, precision {precision.recipe(cfg).name} "
+    say(f"\nfour components x techniques (per GPU, this config, precision {precision.decide(cfg).name} "
         f"unless named):")
     say("\n".join([report.format_table(table)] + skipped))
     ok = ok and not skipped

@@ -98,7 +98,7 @@ def command(cfg, row, world):
         name, value = flag[2:].split("=", 1)
         if name in MAKE_NAMES:
             words.append(f"{MAKE_NAMES[name]}={value}")
-    words += [f"PRECISION={row.recipe}", f"CKPT={row.ckpt}", f"ATTN={row.attn}"]
+    words += [f"PRECISION={row.precision}", f"CKPT={row.ckpt}", f"ATTN={row.attn}"]
     words += [f"SHARD={row.shard}"] if world > 1 else []
     words += [f"LOSS_CHUNKS={row.loss_chunks}"] if row.loss_chunks > 1 else []
     words += [f"BATCH_SIZE={row.b}", f"ACCUM={row.accum}"]
@@ -133,7 +133,7 @@ def table(rows):
             continue
         step = f"{r.step_s:7.2f}s" if r.step_s else "-"
         speed = f"{r.tokens_per_s:12,.0f}" if r.tokens_per_s else "-"
-        out.append(f"{r.recipe:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.loss_chunks:4d} {r.b:4d} {r.accum:4d} "
+        out.append(f"{r.precision:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.loss_chunks:4d} {r.b:4d} {r.accum:4d} "
                    f"{fmt_bytes(r.allocated):>10} {fmt_bytes(r.reserved):>10} {fmt_bytes(r.smi):>10} "
                    f"{fmt_bytes(r.budget - r.reserved):>10} {100 * r.recompute:+8.1f}% {fmt_bytes(r.sent):>10} "
                    f"{step:>8} {speed:>12}")
@@ -143,8 +143,8 @@ def table(rows):
 def pictured_pair(rows):
     """The precision and attention the picture shows: the one whose policies and shardings run most
     (fp8 runs no fsdp, sdpa no selective), the fastest of those."""
-    pairs = {(r.recipe, r.attn) for r in rows}
-    runs = lambda pair: [r for r in rows if (r.recipe, r.attn) == pair and (r.peak or r.states)]  # noqa: E731
+    pairs = {(r.precision, r.attn) for r in rows}
+    runs = lambda pair: [r for r in rows if (r.precision, r.attn) == pair and (r.peak or r.states)]  # noqa: E731
     return max(pairs, key=lambda pair: (len(runs(pair)), max((r.tokens_per_s or 0) for r in runs(pair) or rows),
                                         -sum(r.peak for r in runs(pair))))
 
@@ -211,17 +211,17 @@ def program(argv):
     print("\n".join(table(rows)))
     if fits:
         best = fits[0]
-        print(f"\nbest: {best.recipe} {best.ckpt} {best.shard} {best.attn}, micro-batch {best.b} x {best.accum} "
+        print(f"\nbest: {best.precision} {best.ckpt} {best.shard} {best.attn}, micro-batch {best.b} x {best.accum} "
               f"micro-steps x {world} GPUs; peak at {best.where}\n  {command(cfg, best, world)}")
     print(f"\ndoes not fit or run ({len(rows) - len(fits)}):")
-    print("\n".join(f"  {r.recipe:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.why}"
+    print("\n".join(f"  {r.precision:9} {r.ckpt:9} {r.shard:5} {r.attn:6} {r.why}"
                     + (f" (the loss in as many as {r.loss_chunks} pieces too)" if r.loss_chunks > 1 else "")
                     for r in rows if r.why))
-    recipe, attn = pictured_pair(rows)
-    pictured = [r for r in rows if (r.recipe, r.attn) == (recipe, attn) and (r.peak or r.states)]
+    pictured_precision, attn = pictured_pair(rows)
+    pictured = [r for r in rows if (r.precision, r.attn) == (pictured_precision, attn) and (r.peak or r.states)]
     pictured.sort(key=lambda r: (list(checkpoint.POLICIES).index(r.ckpt), SHARDS.index(r.shard)))
     picture = svg(pictured, f"{cfg.n_layer} layers, width {cfg.n_embd}, context {cfg.block_size} on {world} x "
-                            f"{gpu.name}: {recipe}, attn {attn}")
+                            f"{gpu.name}: {pictured_precision}, attn {attn}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda fh: fh.write(picture.encode()))

@@ -119,7 +119,7 @@ def program(argv):
     torch.cuda.set_per_process_memory_fraction(cap / found["cuda_total"], device)
     fits, next_one = train_steps(cfg, b, 2, device), train_steps(cfg, b + 1, 2, device)
     figures = dict(found, emulated=size, cap=cap, bound=bound, b=b, predicted=peaks.at(b)[0],
-                   predicted_next=peaks.at(b + 1)[0], recipe=precision.recipe(cfg).name, ckpt=cfg.ckpt, attn=cfg.attn,
+                   predicted_next=peaks.at(b + 1)[0], precision=precision.decide(cfg).name, ckpt=cfg.ckpt, attn=cfg.attn,
                    allocated=fits and fits[0], reserved=fits and fits[1], next_fits=next_one is not None,
                    next_allocated=next_one and next_one[0], rules=rules,
                    ok=fits is not None and next_one is None and rules["same"])
@@ -153,7 +153,7 @@ def summary(f):
     lines = [f"{f['device']}: CUDA's total {mib(f['cuda_total'])}, nvidia-smi's {mib(f['smi_total'])} (the driver "
              f"keeps {mib(f['driver'])}); the CUDA context {mib(f['context'])} (the plan assumes "
              f"{lp.CONTEXT_MIB} MiB); cuBLAS's workspaces {mib(f['workspace'])}",
-             f"emulated GPU {mib(f['emulated'])}: the allocator capped at {mib(f['cap'])}; {f['recipe']} "
+             f"emulated GPU {mib(f['emulated'])}: the allocator capped at {mib(f['cap'])}; {f['precision']} "
              f"{f['ckpt']} {f['attn']}, planned micro-batch {f['b']} (2 micro-steps), peak predicted "
              f"{f['predicted']:,} bytes, the plan's allocator bound {mib(f['bound'])}"]
     if f["allocated"] is None:

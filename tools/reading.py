@@ -56,7 +56,7 @@ PATHS = [  # in the README's reading order
             docstring=False),
     Reading("mixed precision: master weights + loss scaler", "precision.py",
           ("MasterWeightOptimizer", "squared_sum", "host_value", "LossScaler"),
-          ("AdamW", "optimizer_spec", "overflows_explained", "not_written_by", "recipe", "Recipe"), 150),
+          ("AdamW", "optimizer_spec", "overflows_explained", "not_written_by", "decide", "Precision"), 150),
     Reading("FP8: E4M3 forward, delayed scaling, BF16 backward", "fp8.py",
           ("Settings", "scale_from_amax", "amax_of", "quantize", "_FP8LinearFunction", "FP8Linear", "layers",
            "fold_amax", "release_weight_copies"), (), 150,
