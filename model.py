@@ -93,13 +93,13 @@ class Block(nn.Module):
 
 
 class ChunkedLoss(torch.autograd.Function):
-    """F.cross_entropy(x @ W^T in FP32), the rows taken in `chunks` pieces (LOSS_CHUNKS): the FP32 logits,
-    their log-softmax and its gradient (4bsV bytes each) live one piece at a time, never whole. Chapter
-    section 3 applied to the head: do not keep what is large and can be had again. Forward keeps only the
-    head's input and the targets; backward re-runs each piece's logits to form their gradient, one more
-    head GEMM. Chosen over forming the gradients in forward, which has no extra GEMM but must know the
-    loss's output gradient (the loss scale, the micro-step's weight) before backward gives it; measured,
-    the re-run costs little, since small pieces are also faster to soften and cast (docs/results.md)."""
+    """The loss in pieces (LOSS_CHUNKS): F.cross_entropy(x @ W^T in FP32), `chunks` pieces of the rows at a
+    time. At its most the plain loss holds three FP32 tensors of the logits' size (the log-softmax, its
+    gradient from the NLL, the logits' gradient: 4bsV bytes each); in pieces, one piece's. Chapter section 3
+    applied to the head: do not keep what is large and can be had again. Forward keeps the head's input and
+    the targets; backward re-runs each piece's logits to form their gradient: one head GEMM more. Not the
+    gradients formed in forward (no GEMM more): the loss's output gradient (the loss scale, the micro-step's
+    weight) is not known there, and without it they underflow in FP16. Measured: docs/loss.md."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, chunks):
@@ -118,7 +118,8 @@ class ChunkedLoss(torch.autograd.Function):
         rows, weight, targets = ctx.saved_tensors
         grad_rows = torch.empty_like(rows)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # the pieces' sum
-        for piece, piece_targets, grad_piece in zip(*(t.tensor_split(ctx.chunks) for t in (rows, targets, grad_rows))):
+        pieces = (t.tensor_split(ctx.chunks) for t in (rows, targets, grad_rows))
+        for piece, piece_targets, grad_piece in zip(*pieces):
             grad_logits = logits_gradient(piece, weight, piece_targets, grad_loss / ctx.counted)
             torch.mm(grad_logits, weight, out=grad_piece)
             sum_in_fp32(grad_weight, grad_logits.t(), piece)
@@ -135,7 +136,8 @@ def logits_gradient(piece, weight, targets, grad):
 
 
 def sum_in_fp32(total, a, b):
-    """total += a @ b in FP32: the pieces' weight gradients add up there and round to 16 bits once. A CPU
+    """total += a @ b in FP32: the pieces' weight gradients add up there and round to 16 bits once (in FP32
+    they add in another order than one GEMM's: wte's gradient differs from the plain loss's in its last bits). A CPU
     has no GEMM of 16-bit inputs into FP32, so the same values are multiplied in FP32 there (a product of
     two 16-bit values is exact in FP32); cuBLAS has one (out_dtype)."""
     if a.is_cuda and a.dtype != torch.float32:

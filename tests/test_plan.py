@@ -65,10 +65,10 @@ def test_the_solve_is_the_search():
                                                            f"searched {searched}"
 
 
-def plan_row(cfg, world, budget, n=6, batch=None):
-    """The plan's one row for cfg's precision, ckpt, shard and attn on CPU against `budget` bytes, n
-    sequences per rank per step."""
-    fixed = {k: getattr(cfg, k) for k in ("precision", "ckpt", "shard", "attn")}
+def plan_row(cfg, world, budget, n=6, batch=None, whole_loss=False):
+    """The plan's one row for cfg's precision, ckpt, shard and attn (and the whole loss, LOSS_CHUNKS=1) on CPU
+    against `budget` bytes, n sequences per rank per step."""
+    fixed = {k: getattr(cfg, k) for k in ("precision", "ckpt", "shard", "attn")} | ({"loss_chunks": 1} if whole_loss else {})
     rows = lp.plan(cfg, gpus.GPU("budget", budget, 0, None, "the test"), world, n * world * cfg.block_size, fixed,
                    context=0, batch=batch)
     assert len(rows) == 1, rows
@@ -110,9 +110,12 @@ def test_batch_size_is_asked_not_lowered():
     # BATCH_SIZE=b: does this micro-batch fit? The row keeps b, or says it does not fit; never another b
     cfg = Config(**TINY, precision="bf16", ckpt="none")
     budget = lp.Peaks(cfg, 1, 2).at(3)[0]
-    fits, over = plan_row(cfg, 1, budget, batch=2), plan_row(cfg, 1, budget, batch=6)
+    fits, over = plan_row(cfg, 1, budget, batch=2), plan_row(cfg, 1, budget, batch=6, whole_loss=True)
     assert (fits.b, fits.accum, fits.why) == (2, 3, None)
     assert over.b == 0 and over.why.startswith("b=6 peaks at"), over.why
+    in_pieces = plan_row(cfg, 1, budget, batch=6)  # the loss in pieces may make it fit: b=6 still, or none
+    assert in_pieces.b in (0, 6) and (in_pieces.why is None) == (in_pieces.b == 6 and in_pieces.loss_chunks > 1), \
+        f"BATCH_SIZE=6 in pieces: b={in_pieces.b}, {in_pieces.loss_chunks} pieces ({in_pieces.why})"
     assert plan_row(cfg, 1, budget, batch=4).why.startswith("BATCH_SIZE=4 does not divide the 6 sequences")
 
 
@@ -190,8 +193,8 @@ def test_the_command_prints_the_table_the_best_line_and_the_picture(tmp_path, ca
     flags = [f"--{word.split('=')[0].lower()}={word.split('=')[1]}" for word in best.split()[3:]]
     cfg = cli.parse_args(flags)  # a run train.py accepts
     assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size) == (2, 64, 2, 32)
-    assert [cfg.precision, cfg.ckpt, cfg.shard, cfg.attn, str(cfg.batch_size), str(cfg.accum)] == first[:6], \
-        f"the table's best row {first[:6]}, the command runs {flags}"
+    ran = [cfg.precision, cfg.ckpt, cfg.shard, cfg.attn, str(cfg.loss_chunks), str(cfg.batch_size), str(cfg.accum)]
+    assert ran == first[:7], f"the table's best row {first[:7]}, the command runs {flags}"
     assert cfg.accum > 1 and cfg.batch_size * cfg.accum * 2 * cfg.block_size == 2 ** 20  # the target, on 2 GPUs
     assert (out_dir / "plan.svg").read_text().startswith("<svg")
 
