@@ -79,14 +79,18 @@ def loss_temporaries_closed(s, b, V, chunks=1):
 def loss_differences(cfg, alive):
     """[line] naming what the loss holds at its most beyond the formula's three FP32 logits-sized tensors:
     `alive` is [(dtype, shape, bytes)] of each storage then (ledger/trace.loss_at_most), told once per kind."""
-    left, told = 3, {}
+    rows = cfg.batch_size * cfg.block_size
+    left, told, piece = 3, {}, {rows // cfg.loss_chunks, math.ceil(rows / cfg.loss_chunks)}  # tensor_split's sizes
     for dtype, shape, nbytes in alive:
-        if left and dtype == "float32" and len(shape) >= 2 and shape[-1] == cfg.vocab_size:
+        if left and dtype == "float32" and shape and shape[-1] == cfg.vocab_size and math.prod(shape[:-1]) in piece:
             left -= 1  # one of the formula's
             continue
         key = f"{dtype} {shape}, {nbytes:,} bytes"
         told[key] = told.get(key, 0) + 1
-    return [key + (f" (x{n})" if n > 1 else "") for key, n in told.items()]
+    rows = math.ceil(rows / cfg.loss_chunks)  # the loss at its most may come after the pieces (the weight's sum)
+    missing = [f"not alive then, of the formula's: float32 ({rows}, {cfg.vocab_size}), {4 * rows * cfg.vocab_size:,} "
+               f"bytes" + (f" (x{left})" if left > 1 else "")] if left else []
+    return [key + (f" (x{n})" if n > 1 else "") for key, n in told.items()] + missing
 
 
 def full_recompute_layer_closed(s, b, h, e=2):

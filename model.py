@@ -2,7 +2,9 @@
 
 Chapter: none of the techniques by itself; this is the model every section measures.
 Read first: `GPT.forward`, then `Block`, `CausalSelfAttention` and `AttentionCore`. It is built
-from config.Config (n_layer, n_head, n_embd, block_size, vocab_size, dropout, bias, attn).
+from config.Config (n_layer, n_head, n_embd, block_size, vocab_size, dropout, bias, attn, loss_chunks).
+The loss (`GPT.head_and_loss`) is the plain cross-entropy of the FP32 logits; with LOSS_CHUNKS > 1 it
+runs in pieces (`ChunkedLoss`: chapter section 3 applied to the head, docs/loss.md).
 
 Two seams let the other files change the model without forking it: every Linear is built by
 `linear_factory` (precision.py's Precision swaps in an FP8 Linear), and `GPT.forward` runs the blocks

@@ -4,14 +4,17 @@ The oracle is the plain loss (LOSS_CHUNKS=1: F.cross_entropy of the whole FP32 l
 model and batch. FP32: the loss and every gradient to the bit, but wte's, which sums the head's weight
 gradient over the pieces, in another order than one GEMM does; BF16: every gradient within one BF16 ulp.
 """
-import dataclasses
+import re
+from dataclasses import replace
 
 import pytest
 import torch
 
 import accumulate
+import memory_ledger as ml
 import train
 from config import Config, UsageError, validate
+from ledger import trace
 from model import GPT, IGNORE_INDEX
 
 ROWS = 3 * 32  # batch x block: 7 and 5 do not divide it, 96 pieces are a row each
@@ -92,7 +95,24 @@ def test_training_in_pieces_follows_the_plain_loss(tmp_path):
     """BF16 with FP16's loss scale and K=3 (weights of 1/3): the losses of 4 steps as the plain loss's."""
     runs = {}
     for chunks in (1, 7):
-        cfg = dataclasses.replace(tiny(loss_chunks=chunks), out_dir=str(tmp_path / str(chunks)), max_iters=4,
+        cfg = replace(tiny(loss_chunks=chunks), out_dir=str(tmp_path / str(chunks)), max_iters=4,
                                   accum=3, precision="fp16", eval_interval=100, sample_tokens=0, log_interval=1)
         runs[chunks] = [record["loss"] for record in train.train(cfg, log=lambda *_: None)]
     assert runs[7] == pytest.approx(runs[1], rel=1e-3), f"losses in 7 pieces {runs[7]}, plain {runs[1]}"
+
+
+@pytest.mark.parametrize("vocab_size,chunks", [(256, 16), (1000, 1), (1000, 4)])
+def test_the_ledger_names_what_the_loss_holds_beyond_its_formula(vocab_size, chunks):
+    """The loss at its most, traced alone, is the closed form's three FP32 tensors plus what the ledger names,
+    byte for byte (at V = h = 256 too, where a (rows, V) tensor and a (rows, h) one have one shape)."""
+    cfg = replace(tiny(loss_chunks=chunks), vocab_size=vocab_size, n_embd=256 if vocab_size == 256 else 64)
+    traced, alive = trace.loss_at_most(cfg)
+    closed = ml.loss_temporaries_closed(cfg.block_size, cfg.batch_size, cfg.vocab_size, chunks)
+    named = ml.loss_differences(cfg, alive)
+    named_bytes = sum(int(n.replace(",", "")) * int(times or 1) * (-1 if line.startswith("not alive") else 1)
+                      for line in named
+                      for n, times in [re.search(r"([\d,]+) bytes(?: \(x(\d+)\))?$", line).groups()])
+    measured = trace.loss_at_most(cfg, fake=False)[0]
+    assert traced == measured, f"the loss at its most: traced {traced:,} bytes, measured {measured:,}"
+    assert traced - closed == named_bytes, f"{chunks} piece(s), V={vocab_size}: {traced - closed:,} bytes beyond " \
+                                           f"the formula, {named_bytes:,} named: {named}"
