@@ -159,7 +159,7 @@ def validate(cfg):
         raise UsageError(f"--{name}={lr:g} is too large: AdamW's first step moves by lr / (1 - beta1) = "
                          f"{lr / (1 - cfg.beta1):g}, past FP32's largest number ({FP32_MAX:.6g})")
     if cfg.loss_chunks > cfg.batch_size * cfg.block_size:  # a piece of no row would be a GEMM of nothing
-        raise UsageError(f"loss_chunks={cfg.loss_chunks} is more than the {cfg.batch_size * cfg.block_size} rows "
+        raise UsageError(f"--loss_chunks={cfg.loss_chunks} is more than the {cfg.batch_size * cfg.block_size} rows "
                          f"of a micro-batch (batch_size x block_size): at most one piece per row")
     if cfg.total_batch_tokens and cfg.accum != 1:
         raise UsageError("give --accum or --total_batch_tokens (which derives accum), not both")

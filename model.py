@@ -97,18 +97,20 @@ class Block(nn.Module):
 class ChunkedLoss(torch.autograd.Function):
     """The loss in pieces (LOSS_CHUNKS): F.cross_entropy(x @ W^T in FP32), `chunks` pieces of the rows at a
     time. At its most the plain loss holds three FP32 tensors of the logits' size (the log-softmax, its
-    gradient from the NLL, the logits' gradient: 4bsV bytes each); in pieces, one piece's. Chapter section 3
-    applied to the head: do not keep what is large and can be had again. Forward keeps the head's input and
-    the targets; backward re-runs each piece's logits to form their gradient: one head GEMM more. Not the
-    gradients formed in forward (no GEMM more): the loss's output gradient (the loss scale, the micro-step's
-    weight) is not known there, and without it they underflow in FP16. Measured: docs/loss.md."""
+    gradient from the NLL, the logits' gradient: 4bsV bytes each); in pieces, one piece's, beside the FP32
+    sum of W's gradient (4Vh: a win where bs is large against h). Chapter section 3 applied to the head: do
+    not keep what is large and can be had again. Forward keeps the head's input and the targets; backward
+    re-runs each piece's logits to form their gradient: one head GEMM more. Not the gradients formed in
+    forward (no GEMM more): the loss's output gradient (the loss scale, the micro-step's weight) is not
+    known there, and without it they underflow in FP16. Measured: docs/loss.md."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, chunks):
         rows, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
         ctx.save_for_backward(rows, weight, targets)
         ctx.chunks, ctx.x_shape = chunks, x.shape
-        row_losses = [F.cross_entropy((piece @ weight.t()).float(), piece_targets, reduction="none")
+        row_losses = [F.cross_entropy((piece @ weight.t()).float(), piece_targets, ignore_index=IGNORE_INDEX,
+                                      reduction="none")
                       for piece, piece_targets in zip(rows.tensor_split(chunks), targets.tensor_split(chunks))]
         # their mean as F.cross_entropy takes it (nll_loss's own sum over the targets not ignored): to the bit
         ctx.counted = (targets != IGNORE_INDEX).sum()
@@ -125,6 +127,7 @@ class ChunkedLoss(torch.autograd.Function):
             grad_logits = logits_gradient(piece, weight, piece_targets, grad_loss / ctx.counted)
             torch.mm(grad_logits, weight, out=grad_piece)
             sum_in_fp32(grad_weight, grad_logits.t(), piece)
+            del grad_logits  # before the next piece's logits exist
         return grad_rows.view(ctx.x_shape), grad_weight.to(weight.dtype), None, None
 
 
@@ -133,7 +136,7 @@ def logits_gradient(piece, weight, targets, grad):
     to 16 bits, as the plain loss forms them (its locals die here, before the next piece)."""
     with torch.enable_grad():
         logits = (piece @ weight.t()).requires_grad_()
-        loss = F.cross_entropy(logits.float(), targets, reduction="sum")
+        loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
     return torch.autograd.grad(loss, logits, grad)[0]
 
 
@@ -193,7 +196,7 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         # cross entropy in fp32: a 16-bit log-softmax over the vocabulary loses the small terms
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=IGNORE_INDEX)
         return logits, loss
 
     @torch.no_grad()

@@ -307,7 +307,7 @@ class Row:
 
 
 SEARCHED = ("precision", "ckpt", "shard", "attn")  # the keys a plan varies, in Row's order
-LOSS_CHUNKS = (1, 4, 16, 64)  # the loss's pieces tried, in this order, where the whole loss does not fit
+LOSS_CHUNKS = (1, 4, 16, 64)  # the loss's pieces tried in order where the whole loss does not fit, k | s
 
 
 def configurations(world):
@@ -361,8 +361,8 @@ def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MI
             continue
         # the loss in pieces only where the whole loss does not fit: each piece's logits re-run, a GEMM more
         for chunks in [fixed["loss_chunks"]] if fixed and "loss_chunks" in fixed else LOSS_CHUNKS:
-            if chunks > one.block_size:
-                break
+            if cfg.block_size % chunks:  # pieces of b s / k rows: linear in b, as the extension must be
+                continue
             row.why, row.loss_chunks = None, chunks
             fit(row, replace(one, loss_chunks=chunks), gpu, world, n, context, batch)
             # it fits, or the loss is not what stops it: less all the whole loss's bytes it would not fit either

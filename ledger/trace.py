@@ -85,7 +85,8 @@ def cuda_rules(on):
     # functions, not a torch-function mode: autograd runs a recompute's re-run in backward without one
     saved = fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention, model.sum_in_fp32
     fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention = (lambda t: True), _dropout, _attention
-    model.sum_in_fp32 = lambda total, a, b: total.add_(torch.mm(a, b, out_dtype=torch.float32))
+    model.sum_in_fp32 = lambda total, a, b: total.add_(torch.mm(a, b, out_dtype=torch.float32)) \
+        if a.dtype != torch.float32 else torch.addmm(total, a, b, out=total)  # its CUDA branch
     try:
         with _CudaDtypes():
             yield
@@ -364,17 +365,18 @@ class _Described(measure.LiveTensors):
         super()._counted(op, grew)
 
 
-def loss_at_most(cfg, fake=True):
+def loss_at_most(cfg, fake=True, device=None):
     """(bytes, [(dtype, shape, bytes)] alive then) of model.GPT.head_and_loss at its most beyond its inputs,
-    forward and backward, run alone (fake=False: on real tensors, measured): what memory_ledger.
-    loss_temporaries_closed states."""
+    forward and backward, run alone on `device` (None: where cfg's step is traced), on fake tensors or
+    (fake=False) real ones, measured: what memory_ledger.loss_temporaries_closed states."""
     prec = precision.decide(cfg)
-    with fake_tensors() if fake else contextlib.nullcontext(), cuda_rules(fake and emulated(cfg)):
+    device = torch.device(device or ("cuda" if cfg.device == "cuda" and not emulated(cfg) else "cpu"))
+    with fake_tensors() if fake else contextlib.nullcontext(), cuda_rules(fake and emulated(cfg)), device:
         # one block is built, none runs: the head and the loss alone
         gpt = model.GPT(dataclasses.replace(cfg, n_layer=1), prec.linear_factory()).to(prec.param_dtype)
         x = torch.randn(cfg.batch_size, cfg.block_size, cfg.n_embd, dtype=prec.param_dtype, requires_grad=True)
         targets = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size))
-        tracker, inputs = _Described("cpu"), [x, targets, *gpt.parameters(), *gpt.buffers()]
+        tracker, inputs = _Described(device), [x, targets, *gpt.parameters(), *gpt.buffers()]
         with tracker:
             tracker.adopt(inputs)
             tracker.reset_peak()

@@ -406,6 +406,7 @@ def test_a_pipe_as_data_is_refused_without_reading_it(tmp_path, capsys):
     ("tools/bench.py", "--resume", "the benchmark times fresh runs"),
     ("tools/bench.py", "--sections=everything", "--sections takes"),
     ("tools/bench.py", "--compile", "the compile section compiles one of its two models itself"),  # before any row
+    ("tools/bench.py", "--loss_chunks=4", "the loss section sets LOSS_CHUNKS itself"),  # before any row too
 ])
 def test_programs_refuse_flags_they_would_ignore(program, flag, words, out_dir, capsys):
     before = listing(out_dir)

@@ -1,8 +1,10 @@
 """The loss in pieces (model.ChunkedLoss, LOSS_CHUNKS): the same loss and gradients as the plain loss.
 
 The oracle is the plain loss (LOSS_CHUNKS=1: F.cross_entropy of the whole FP32 logits) on the same
-model and batch. FP32: the loss and every gradient to the bit, but wte's, which sums the head's weight
-gradient over the pieces, in another order than one GEMM does; BF16: every gradient within one BF16 ulp.
+model and batch, at this file's shape, on CPU. FP32: the loss and every gradient to the bit, but wte's, which
+sums the head's weight gradient over the pieces in another order than one GEMM does; BF16: every gradient
+within one BF16 ulp. (Other shapes and BLAS builds may sum a piece's rows in another order too: a piece of
+a few rows can take a matrix-vector path.)
 """
 import re
 from dataclasses import replace
@@ -44,7 +46,7 @@ def differing(got, want, close):
     return [f"{name}: {close(got[name], want[name])}" for name in want if close(got[name], want[name])]
 
 
-@pytest.mark.parametrize("chunks", [2, 7, 5, 1])
+@pytest.mark.parametrize("chunks", [2, 7, 5])  # (1 is the plain loss itself: model.GPT.head_and_loss)
 def test_fp32_loss_and_gradients_to_the_bit_but_wtes_sum(chunks):
     want_loss, want = loss_and_grads(tiny(), torch.float32)
     loss, got = loss_and_grads(tiny(loss_chunks=chunks), torch.float32)
@@ -87,12 +89,12 @@ def test_token_weighted_micro_steps_match_the_plain_loss():
 
 
 def test_more_pieces_than_rows_is_refused():
-    with pytest.raises(UsageError, match="loss_chunks=97 is more than the 96 rows"):
+    with pytest.raises(UsageError, match="--loss_chunks=97 is more than the 96 rows"):
         validate(tiny(loss_chunks=ROWS + 1))
 
 
 def test_training_in_pieces_follows_the_plain_loss(tmp_path):
-    """BF16 with FP16's loss scale and K=3 (weights of 1/3): the losses of 4 steps as the plain loss's."""
+    """FP16 with its dynamic loss scale and K=3 (weights of 1/3): the losses of 4 steps as the plain loss's."""
     runs = {}
     for chunks in (1, 7):
         cfg = replace(tiny(loss_chunks=chunks), out_dir=str(tmp_path / str(chunks)), max_iters=4,

@@ -113,9 +113,14 @@ def test_batch_size_is_asked_not_lowered():
     fits, over = plan_row(cfg, 1, budget, batch=2), plan_row(cfg, 1, budget, batch=6, whole_loss=True)
     assert (fits.b, fits.accum, fits.why) == (2, 3, None)
     assert over.b == 0 and over.why.startswith("b=6 peaks at"), over.why
-    in_pieces = plan_row(cfg, 1, budget, batch=6)  # the loss in pieces may make it fit: b=6 still, or none
-    assert in_pieces.b in (0, 6) and (in_pieces.why is None) == (in_pieces.b == 6 and in_pieces.loss_chunks > 1), \
-        f"BATCH_SIZE=6 in pieces: b={in_pieces.b}, {in_pieces.loss_chunks} pieces ({in_pieces.why})"
+    # the loss in pieces (vocabulary 256 against width 32: the loss is most of this step) makes b=6 fit, still b=6
+    in_pieces = plan_row(cfg, 1, budget, batch=6)
+    assert (in_pieces.b, in_pieces.loss_chunks, in_pieces.why) == (6, 64, None), \
+        f"BATCH_SIZE=6, the loss in pieces: b={in_pieces.b}, {in_pieces.loss_chunks} pieces ({in_pieces.why})"
+    model, parts = train.build(replace(cfg, batch_size=6, loss_chunks=64), torch.device("cpu"))
+    accumulate.accumulation_step(model, parts, [measure.random_batch(cfg, "cpu", 6)])  # the optimizer states
+    measured = measure.measure(model, parts, measure.random_batch(cfg, "cpu", 6), "cpu")["peak"]
+    assert measured == in_pieces.peak <= budget, f"b=6 in 64 pieces: planned {in_pieces.peak:,}, measured {measured:,}"
     assert plan_row(cfg, 1, budget, batch=4).why.startswith("BATCH_SIZE=4 does not divide the 6 sequences")
 
 
@@ -212,6 +217,8 @@ def test_the_command_prints_the_table_the_best_line_and_the_picture(tmp_path, ca
     (["--batch_size=3"], f"--batch_size=3 does not divide the {lp.TARGET_TOKENS // Config().block_size} "
                          f"sequences"),
     (["--max_iters=4"], "does not apply"),
+    (["--loss_chunks=7"], "--loss_chunks=7 does not divide block_size=256"),
+    (["--loss_chunks=100", "--block_size=32"], "--loss_chunks=100 does not divide block_size=32"),
 ])
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, argv, says):
     status = tool.main(argv + [f"--out_dir={tmp_path / 'out'}"])

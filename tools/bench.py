@@ -7,8 +7,7 @@ configuration a GPU user expects (fast: BF16, the fused attention, a GPT-2-124M-
 peak FLOP/s its MFU divides by named. Chapter: the "it saves memory *and* speeds up" claims of sections
 1-3, measured. Read first: `measure_row` (one configuration: the median step after warm-up steps).
 
-    python tools/bench.py [train.py flags as the base config] [--sections=precision,ckpt,compile,memory,...]
-                          [--steps=N] [--warmup=N]
+    python tools/bench.py [train.py flags as the base config] [--sections=precision,ckpt,...] [--steps=N]
 
 Rows go to the screen as a table and to out_dir/bench.jsonl as one JSON object each. Peak memory is CUDA's
 max_memory_allocated on a GPU and the process's peak RSS on CPU (with the ~0.3 GB of PyTorch's runtime).
@@ -379,10 +378,8 @@ def te_unavailable(device):
 
 
 def fmt(v, kind):
-    if v is None:
-        return "-"
-    return {"mem": f"{v / 2**20:.0f} MiB", "pct": f"{100 * v:.1f}%", "f1": f"{v:,.1f}",
-            "tflops": f"{v / 1e12:,.4g} TFLOP/s"}[kind]
+    return "-" if v is None else {"mem": f"{v / 2**20:.0f} MiB", "pct": f"{100 * v:.1f}%", "f1": f"{v:,.1f}",
+                                  "tflops": f"{v / 1e12:,.4g} TFLOP/s"}[kind]
 
 
 def program(argv):
@@ -405,8 +402,11 @@ def run_sections(argv):
     device = train.pick_device(cfg)
     split_tokens(load_tokens(cfg.data), cfg.block_size)  # bad data fails here, not in a row
     check_writable(cfg.out_dir, "--out_dir")  # and an out_dir that cannot take the results, before any row runs
-    if "compile" in sections and cfg.compile:  # its own process would refuse it, but after the rows before it
-        raise UsageError("the compile section compiles one of its two models itself: leave --compile out")
+    # the compile and loss sections' own processes would refuse these, but after the rows before them
+    for section, key, why in (("compile", "compile", "compiles one of its two models itself"),
+                              ("loss", "loss_chunks", "sets LOSS_CHUNKS itself, to each of 1, 4 and 16")):
+        if section in sections and key in given(argv):
+            raise UsageError(f"the {section} section {why}: leave --{key} out")
     if ignored := given(argv) & {"resume", "sample_only", "memory_snapshot"}:
         raise UsageError(f"--{', --'.join(sorted(ignored))}: the benchmark times fresh runs, nothing else applies")
     fp8_error = fp8_gemm.fp8_matmul_error(device)

@@ -12,7 +12,7 @@ seeds them). Each round steps every model once, in a rotating order, so the mach
 on all; a model's time ratio against k = 1 is the median of its rounds' ratios. Per k: the step's
 peak (every byte alive, the states too: ledger/measure.py's LiveTensors on CPU, the caching
 allocator's high-water mark on CUDA) and the loss's temporaries at their most (ledger/trace.
-loss_at_most, run on real tensors) as a share of it.
+loss_at_most, run on real tensors on the same device, their storages counted) as a share of it.
 """
 import json
 import statistics
@@ -68,7 +68,7 @@ def measure_pieces(flags, rounds, warmup):
     for k, (model, parts) in runs.items():
         ratios = [whole / piece for whole, piece in zip(times[1][warmup:], times[k][warmup:])]
         peak = step_peak(model, parts, micro, cfg, device)
-        loss = trace.loss_at_most(replace(cfg, loss_chunks=k), fake=False)[0]
+        loss = trace.loss_at_most(replace(cfg, loss_chunks=k), fake=False, device=device)[0]
         rows.append(dict(section="loss", precision=parts.precision.name, loss_chunks=k, vocab_size=VOCAB,
                          rounds=rounds, tokens_per_s=tokens_per_step / statistics.median(times[k][warmup:]), peak_bytes=peak,
                          loss_bytes=loss, loss_share=loss / peak, speed_vs_whole=statistics.median(ratios),

@@ -76,6 +76,9 @@ def options(argv):
     if not cpu and gpu.total <= opts.context_mib * lp.MIB:
         raise UsageError(f"--gpu={opts.gpu} is {fmt_bytes(gpu.total)}: not more than the CUDA context "
                          f"({opts.context_mib} MiB, --context_mib) alone")
+    if "loss_chunks" in named and cfg.block_size % cfg.loss_chunks:
+        raise UsageError(f"--loss_chunks={cfg.loss_chunks} does not divide block_size={cfg.block_size}: the plan "
+                         f"extends a step in the micro-batch, which needs equal pieces at every b")
     if "shard" in named and cfg.shard != "none" and opts.nproc == 1:
         raise UsageError(f"--shard={cfg.shard} splits over ranks: give NPROC > 1 (--nproc)")
     step_tokens = opts.nproc * cfg.block_size
@@ -218,7 +221,8 @@ def program(argv):
                     + (f" (the loss in as many as {r.loss_chunks} pieces too)" if r.loss_chunks > 1 else "")
                     for r in rows if r.why))
     pictured_precision, attn = pictured_pair(rows)
-    pictured = [r for r in rows if (r.precision, r.attn) == (pictured_precision, attn) and (r.peak or r.states)]
+    pictured = [r for r in rows if (r.precision, r.attn) == (pictured_precision, attn) and (r.peak or r.states)] \
+        or rows  # nothing traced (every row refused): the rows still, each with why
     pictured.sort(key=lambda r: (list(checkpoint.POLICIES).index(r.ckpt), SHARDS.index(r.shard)))
     picture = svg(pictured, f"{cfg.n_layer} layers, width {cfg.n_embd}, context {cfg.block_size} on {world} x "
                             f"{gpu.name}: {pictured_precision}, attn {attn}")
