@@ -365,10 +365,10 @@ def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MI
                 continue
             row.why, row.loss_chunks = None, chunks
             fit(row, replace(one, loss_chunks=chunks), gpu, world, n, context, batch)
-            # it fits, or the loss is not what stops it: less all the whole loss's bytes it would not fit either
-            if row.why is None or row.states > row.budget or row.where == "step" or \
-                    row.peak - trace.loss_at_most(replace(one, batch_size=batch or 1))[0] > row.budget:
-                break
+            if row.why is None or row.states > row.budget or row.where == "step":
+                break  # it fits, or the loss is not what stops it
+            if chunks == 1 and row.peak - trace.loss_at_most(replace(one, batch_size=batch or 1))[0] > row.budget:
+                break  # less all of the whole loss's bytes, it would not fit either: no piece can help
         if row.why is None:
             cost(row, replace(one, loss_chunks=row.loss_chunks), gpu, world, mfu, cfg.peak_flops)
     return sorted(rows, key=lambda r: (r.why is not None, -(r.tokens_per_s or 0), r.recompute, r.sent,

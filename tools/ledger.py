@@ -142,7 +142,7 @@ def format_closed_forms(cfg, traced, meas):
     for term, closed_n, n, words in ml.differences(cfg, terms, unmatched):
         lines.append(f"  {term}: {n - closed_n:+,} bytes against the formula:")
         lines += [f"      {w}" for w in words]
-    return lines + loss_lines(cfg)
+    return lines + section(lambda: loss_lines(cfg), "the loss, at its most")  # a learner's loss may not run alone
 
 
 def loss_lines(cfg):
