@@ -142,33 +142,22 @@ def big_config(name, **over):
                             device="cuda"), **over})
 
 
-_PEAKS = {}  # (config, world, micro-batches) -> plan.Peaks: the what-if asks again at each GPU size
-
-
-def _peaks(cfg, world, b):
-    key = (repr(cfg), world, b)
-    if key not in _PEAKS:
-        _PEAKS[key] = plan.Peaks(cfg, world, 1, b)
-    return _PEAKS[key]
-
-
 def what_if(gpu_gib=80, ranks=8, precision_name="bf16", workers=1):
     """[dict(shape, P, ckpt, zero, states, activations, max_b)] per GPU, traced (ledger/plan.py's extension):
     manual attention, dropout as Config's default (0); states: what a rank holds all step (parameters,
     master, AdamW, buffers), over `ranks` under FSDP; activations after the forward at b=1; max_b: the
     largest micro-batch whose peak fits a GPU of gpu_gib as CUDA reports it (no context, no allocator).
-    workers: processes that trace at once (trace.prefetch)."""
-    out, budget = [], gpu_gib * 2 ** 30
+    workers: processes that trace at once (trace.rounds)."""
+    budget = gpu_gib * 2 ** 30
     cases = [(name, big_config(name, precision=precision_name, ckpt=ckpt, attn="manual",
                                shard="fsdp" if sharded else "none"), ranks if sharded else 1)
              for name in WHAT_IF for ckpt in ("none", "full") for sharded in (False, True)]
-    # every trace it may read, `workers` at once (b = 2 and 3 are read where b = 1 fits: most)
-    trace.prefetch([request for _, cfg, world in cases for b in ((1,), (2, 3))
-                    for request in plan.Peaks.requests(cfg, world, 1, b)], workers)
-    for name, cfg, world in cases:
-        one = _peaks(cfg, world, (1,))
-        most = _peaks(cfg, world, (2, 3)).largest(budget) if one.at(1)[0] <= budget else 0
-        out.append(dict(shape=name, P=sum(math.prod(s) for s in plan.param_shapes(cfg)), ckpt=cfg.ckpt,
-                        zero=f"FSDP/{world}" if cfg.shard == "fsdp" else "none", states=one.states(),
-                        activations=one.ext.figure("activations", 1), max_b=most))
-    return out
+
+    def evaluate(case):
+        name, cfg, world = case
+        one = plan.peaks(cfg, world, 1, (1,))
+        most = plan.peaks(cfg, world, 1, (2, 3)).largest(budget) if one.at(1)[0] <= budget else 0
+        return dict(shape=name, P=sum(math.prod(s) for s in plan.param_shapes(cfg)), ckpt=cfg.ckpt,
+                    zero=f"FSDP/{world}" if cfg.shard == "fsdp" else "none", states=one.states(),
+                    activations=one.ext.figure("activations", 1), max_b=most)
+    return trace.rounds(evaluate, cases, workers)

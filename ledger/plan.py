@@ -13,7 +13,7 @@ units and the micro-batch: four traces give each exactly at any depth and micro-
 holds it to full traces), and the largest micro-batch that fits is solved, not searched.
   - DDP, ZeRO-1 and ZeRO-2 run the same forward and backward, traced once without sharding; a rank
     differs in what it holds all step and in its optimizer step, which ZeRO's slices make unlike at
-    each depth: every kind of ZeRO rank's step is traced alone at the full depth (trace.optimizer_step);
+    each depth: every kind of ZeRO rank's step is traced alone at the full depth (trace._optimizer_step);
     DDP adds its reducer's buckets (trace.DDP). FSDP is traced as it runs, rank 0 of NPROC.
   - K > 1 micro-steps are traced with two (the second starts with .grad alive).
 """
@@ -95,8 +95,9 @@ class Extended:
         k, q, _ = units(cfg)
         window, self.depths = self.depths_of(cfg)
         self.q, self.bs = q, (b[0], b[-1])
-        self.traced = {(i, j): trace.step(at_depth(cfg, d, bb), world, rank, micro_steps, planned=True)
-                       for i, d in enumerate(self.depths) for j, bb in enumerate(self.bs)}
+        keys = [(i, j) for i in range(2) for j in range(2)]
+        self.traced = dict(zip(keys, trace.all_of([("step", at_depth(cfg, self.depths[i], self.bs[j]), world, rank,
+                                                    micro_steps, True) for i, j in keys])))
         timelines = {key: segments(t["points"], self.depths[key[0]], k, window, cfg.shard == "fsdp")
                      for key, t in self.traced.items()}
         labels = list(timelines[0, 0])
@@ -117,16 +118,11 @@ class Extended:
     @staticmethod
     def depths_of(cfg):
         """(window, the two depths traced): FSDP's backward gathers the next block early, so its last block
-        differs from the one before it: two units at each end are told apart (traced at 4 and 5 units)."""
-        window = 2 if cfg.shard == "fsdp" else 1
-        q = units(cfg)[1]
+        differs from the one before it: two blocks at each end are told apart (units of one block: traced at 4
+        and 5 units)."""
+        k, q, _ = units(cfg)
+        window = -(-2 // k) if cfg.shard == "fsdp" else 1
         return window, ((2 * window, 2 * window + 1) if q > 2 * window + 1 else (q, q))
-
-    @staticmethod
-    def requests(cfg, world=1, rank=0, micro_steps=1, b=(2, 3)):
-        """The traces it reads, as trace.prefetch takes them."""
-        return [("step", at_depth(cfg, d, bb), world, rank, micro_steps, True)
-                for d in Extended.depths_of(cfg)[1] for bb in (b[0], b[-1])]
 
     def _at(self, f, b):
         """f(i, j) of the four traces, extended to this depth and micro-batch b."""
@@ -170,6 +166,7 @@ class Peaks:
     def __init__(self, cfg, world, micro_steps=1, b=(2, 3)):
         self.cfg, self.world, self.micro_steps, self.one = cfg, world, micro_steps, b == (1,)
         self.ranks = list(differing_ranks(cfg, world)) if cfg.shard in zero.STAGES else [0]
+        self.steps = {} if cfg.shard == "fsdp" else dict(zip(self.ranks, optimizer_steps(cfg, world)))
         # one micro-step read off a trace of two, but under FSDP (whose first of two skips its reduce-scatter):
         # its three phases, then the optimizer's step, which finds the same bytes alive after either
         self.traced_steps = micro_steps if cfg.shard == "fsdp" else 2
@@ -183,18 +180,10 @@ class Peaks:
             return cfg, world, 0, micro_steps
         return replace(cfg, shard="none"), 1, 0, 2
 
-    @staticmethod
-    def requests(cfg, world, micro_steps=1, b=(2, 3)):
-        """The traces it reads, as trace.prefetch takes them: the extension's, each kind of rank's step."""
-        ranks = differing_ranks(cfg, world) if cfg.shard in zero.STAGES else [0]
-        steps = [] if cfg.shard == "fsdp" else \
-            [("optimizer step", trace.optimizer_config(cfg), 1 if cfg.shard == "none" else world, r) for r in ranks]
-        return Extended.requests(*Peaks._run(cfg, world, micro_steps), b) + steps
-
     def _lines(self):
         """{rank: (x, y, where)}: each point x + b*y (bytes, storages, storages over 1 MiB) and its place. The
         forward and backward are the extension's, the optimizer's step the rank's own, traced at full depth
-        (trace.optimizer_step) and set on what the extension says is alive as it begins; FSDP's all the
+        (trace._optimizer_step) and set on what the extension says is alive as it begins; FSDP's all the
         extension's (its optimizer's step is alike block by block)."""
         x, y = self.ext.line()
         where, b0 = list(self.ext.where), self.ext.bs[0]
@@ -207,17 +196,14 @@ class Peaks:
         out = {}
         for rank in self.ranks:
             # this rank's states (and DDP's buckets) for what the extension's held (bytes, storages, large ones)
-            z = self.optimizer_step(rank)
-            shift = np.asarray(z["held"]) - self.ext.figure("held", b0) + [self._ddp(), 0, 0]
+            z = self.steps[rank]
+            shift = np.asarray(z["held"]) - self.ext.figure("held", b0) + [_ddp(self.cfg, self.world), 0, 0]
             steps = np.asarray(z["points"], dtype=np.int64).reshape(-1, 3) - [z["start"], 0, 0]
             y_step = np.tile([start[1] - start[0], 0, 0], (len(steps), 1))
             x_step = steps + [start[0] - b0 * (start[1] - start[0]) + shift[0], *(buffers - z["buffers"])[1:]]
             out[rank] = (np.concatenate([x[ahead] + shift, x_step]), np.concatenate([y[ahead], y_step]),
                          [w for w, a in zip(where, ahead) if a] + [(0, "step", None)] * len(steps))
         return out
-
-    def _ddp(self):
-        return self.ext.figure("parameters", self.ext.bs[0]) if self.cfg.shard == "none" and self.world > 1 else 0
 
     def at(self, b):
         """(peak bytes, where, rank, storages alive there, those over 1 MiB) at micro-batch b."""
@@ -237,12 +223,25 @@ class Peaks:
         """What the highest-holding rank holds all step: its states, buffers, FP32 sums (and DDP's buckets)."""
         if self.cfg.shard == "fsdp":
             return self.ext.phase("before", self.ext.bs[0]) - self.ext.figure("inputs", self.ext.bs[0])
-        held = max(self.optimizer_step(rank)["held"][0] for rank in self.ranks)
-        return held + self.ext.figure("buffers", self.ext.bs[0]) + self._ddp()
+        held = max(self.steps[rank]["held"][0] for rank in self.ranks)
+        return held + self.ext.figure("buffers", self.ext.bs[0]) + _ddp(self.cfg, self.world)
 
-    def optimizer_step(self, rank):
-        """The rank's optimizer step, traced at full depth (DDP's: one process's, on every rank alike)."""
-        return trace.optimizer_step(self.cfg, 1 if self.cfg.shard == "none" else self.world, rank)
+
+def optimizer_steps(cfg, world):
+    """Each kind of rank's optimizer step (differing_ranks), traced at full depth (DDP's: one process's)."""
+    ranks = differing_ranks(cfg, world) if cfg.shard in zero.STAGES else [0]
+    return trace.all_of([("optimizer step", trace.optimizer_config(cfg), 1 if cfg.shard == "none" else world, rank)
+                         for rank in ranks])
+
+
+def _ddp(cfg, world):
+    """DDP's buckets, a copy of every gradient (trace.DDP): the parameters' bytes."""
+    return optimizer_steps(cfg, world)[0]["parameters"] if cfg.shard == "none" and world > 1 else 0
+
+
+def peaks(cfg, world, micro_steps=1, b=(2, 3)):
+    """Peaks(...), made once."""
+    return trace.memoized(Peaks, cfg, world, micro_steps, b)
 
 
 def param_shapes(cfg):
@@ -254,6 +253,10 @@ def param_shapes(cfg):
 def differing_ranks(cfg, world):
     """The first ZeRO rank of each kind: ranks whose slices cut the same pieces (their lengths, matrix
     or not, in order) hold and step alike, so one of them is traced."""
+    return trace.memoized(_differing_ranks, trace.optimizer_config(cfg), world)
+
+
+def _differing_ranks(cfg, world):
     shapes = param_shapes(cfg)
     sizes, matrices = [math.prod(s) for s in shapes], [len(s) >= 2 for s in shapes]
     first = {}
@@ -316,86 +319,79 @@ def configurations(world):
             if world > 1 or s == "none"]
 
 
-def allocator(row, gpu, context, storages, large, cuda):
-    """row's allocated, reserved and nvidia-smi estimates from its traced peak: the caching allocator rounds
-    each of the `storages` alive there up to 512 bytes and holds cuBLAS's workspaces (allocated: c10/cuda/
+def allocator(peak, storages, large, gpu, context, cuda):
+    """(allocated, reserved, nvidia-smi) estimates from a traced peak: the caching allocator rounds each of the
+    `storages` alive there up to 512 bytes and holds cuBLAS's workspaces (allocated: c10/cuda/
     CUDACachingAllocator.cpp, round_size); a storage over 1 MiB may sit in a cached block up to 1 MiB larger
     (reserved, a bound); nvidia-smi adds the CUDA context. On CPU all three are the peak."""
     if not cuda:
-        row.allocated = row.reserved = row.smi = row.peak
-        return
-    row.allocated = row.peak + (MIN_BLOCK - 1) * storages + gpu.workspace
-    row.reserved = row.allocated + SMALL_SIZE * large
-    row.smi = row.reserved + context
+        return peak, peak, peak
+    allocated = peak + (MIN_BLOCK - 1) * storages + gpu.workspace
+    return allocated, allocated + SMALL_SIZE * large, allocated + SMALL_SIZE * large + context
 
 
 def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MIB * MIB, batch=None, workers=1):
     """[Row] for cfg's shape on `world` GPUs of `gpu` (a GPU), fastest first, then those that do not fit or
     run, each with why. fixed: {key: value} of SEARCHED not to vary; batch: the micro-batch to try (None:
     the largest that fits). On device cpu the budget is gpu.total exactly (no CUDA context, no allocator).
-    workers: processes that trace at once (trace.prefetch), the traces every configuration asks first."""
-    cuda, rows, asked = cfg.device != "cpu", [], []
+    workers: processes that trace at once (trace.rounds)."""
+    cuda = cfg.device != "cpu"
     n = target_tokens // (world * cfg.block_size)  # micro-batch x K: sequences per rank per step
-    for combo in configurations(world):
+    budget = gpu.total - context if cuda else gpu.total
+
+    def evaluate(combo):
+        row = Row(*combo, budget=budget)
         one = replace(cfg, **dict(zip(SEARCHED, combo)), batch_size=1, accum=1, total_batch_tokens=0,
                       device="cuda" if cuda else "cpu")
-        if not any(fixed and k in fixed and fixed[k] != v for k, v in zip(SEARCHED, combo)) and _runs_at_all(one):
-            asked += Peaks.requests(one, world, 2) + Peaks.requests(replace(one, ckpt="none", ckpt_segment=0,
-                                                                             ckpt_impl="hooks", shard="none"), 1, 2)
-    trace.prefetch(sorted(asked, key=lambda r: r[1].shard != "fsdp"), workers)  # the longest first
-    for combo in configurations(world):
-        if any(fixed and k in fixed and fixed[k] != v for k, v in zip(SEARCHED, combo)):
-            continue
-        row, one = Row(*combo), replace(cfg, **dict(zip(SEARCHED, combo)), batch_size=1, accum=1,
-                                        total_batch_tokens=0, device="cuda" if cuda else "cpu")
-        rows.append(row)
         try:
             validate(one)
             checkpoint.policy(one)
         except UsageError as e:
             row.why = re.split(r"[:;(]", str(e))[0].strip().lstrip("-")
-            continue
+            return row
         prec = precision.decide(one)
         if gpu.tflops is not None and gpu.tflops[prec.name] is None:
             row.why = f"does not run: {gpu.name} has no {prec.name.upper()} units"
-            continue
+            return row
+        if one.shard != "fsdp":  # what a rank holds all step, its states (and DDP's buckets), traced alone first
+            row.states = max(z["held"][0] for z in optimizer_steps(one, world)) + _ddp(one, world)
+            if row.states > budget:
+                row.why = f"its states alone, held all step, are {row.states / GIB:.1f} GiB"
+                return row
         # the loss in pieces only where the whole loss does not fit: each piece's logits re-run, a GEMM more
         for chunks in [fixed["loss_chunks"]] if fixed and "loss_chunks" in fixed else LOSS_CHUNKS:
             if cfg.block_size % chunks:  # pieces of b s / k rows: linear in b, as the extension must be
                 continue
             row.why, row.loss_chunks = None, chunks
             fit(row, replace(one, loss_chunks=chunks), gpu, world, n, context, batch)
-            if row.why is None or row.states > row.budget or row.where == "step":
+            if row.why is None or row.states > budget or row.where == "step":
                 break  # it fits, or the loss is not what stops it
-            if chunks == 1 and row.peak - trace.loss_at_most(replace(one, batch_size=batch or 1))[0] > row.budget:
+            if chunks == 1 and row.peak - trace.loss_at_most(replace(one, batch_size=batch or 1))[0] > budget:
                 break  # less all of the whole loss's bytes, it would not fit either: no piece can help
         if row.why is None:
             cost(row, replace(one, loss_chunks=row.loss_chunks), gpu, world, mfu, cfg.peak_flops)
-    return sorted(rows, key=lambda r: (r.why is not None, -(r.tokens_per_s or 0), r.recompute, r.sent,
-                                       -(r.budget - r.reserved)))
-
-
-def _runs_at_all(one):
-    try:
-        validate(one)
-        checkpoint.policy(one)
-        return True
-    except UsageError:
-        return False
+        return row
+    combos = [combo for combo in configurations(world)
+              if not any(fixed and k in fixed and fixed[k] != v for k, v in zip(SEARCHED, combo))]
+    return sorted(trace.rounds(evaluate, combos, workers), key=lambda r: (
+        r.why is not None, -(r.tokens_per_s or 0), r.recompute, r.sent, -(r.budget - r.reserved)))
 
 
 def fit(row, one, gpu, world, n, context, batch):
     """Fill row's micro-batch b and micro-steps K (the largest b dividing n, the sequences per rank per step,
-    whose reserved bytes fit; K > 1 traced with a later micro-step), or try `batch`; its peak, its
-    allocator's figures, its states and its budget."""
+    whose reserved bytes fit row.budget; K > 1 traced with a later micro-step), or try `batch`; its peak, its
+    allocator's figures and its states."""
     cuda = one.device == "cuda"
-    row.budget = gpu.total - context if cuda else gpu.total
     if batch is None:
         most = 1
         if n > 1:
-            later = Peaks(one, world, 2)
+            later = peaks(one, world, 2)
+
+            def reserved(b):
+                peak, _, _, storages, large = later.at(b)
+                return allocator(peak, storages, large, gpu, context, cuda)[1]
             most = later.largest(row.budget - (gpu.workspace if cuda else 0))
-            while most >= 2 and _reserved(later, most, gpu, cuda) > row.budget:
+            while most >= 2 and reserved(most) > row.budget:
                 most -= 1  # the allocator's rounding and block slack come on top of the bytes
         b = n if most >= n else max([1] + [d for d in range(2, most + 1) if n % d == 0])
     elif n % batch:
@@ -403,36 +399,31 @@ def fit(row, one, gpu, world, n, context, batch):
         return
     else:
         b = batch
-    peaks = Peaks(one, world, 1 if b == n else 2, (1,) if b == 1 else (2, 3))
-    row.peak, row.where, _, storages, large = peaks.at(b)
-    allocator(row, gpu, context, storages, large, cuda)
-    row.states = peaks.states()
+    at_b = peaks(one, world, 1 if b == n else 2, (1,) if b == 1 else (2, 3))
+    row.peak, row.where, _, storages, large = at_b.at(b)
+    row.allocated, row.reserved, row.smi = allocator(row.peak, storages, large, gpu, context, cuda)
+    row.states = at_b.states()
     if row.reserved > row.budget:
         row.why = f"b={b} peaks at {row.reserved / GIB:.1f} GiB reserved ({row.where})"
         return
     row.b, row.accum = b, n // b
 
 
-def _reserved(peaks, b, gpu, cuda):
-    peak, _, _, storages, large = peaks.at(b)
-    return peak + ((MIN_BLOCK - 1) * storages + gpu.workspace + SMALL_SIZE * large if cuda else 0)
-
-
 def cost(row, one, gpu, world, mfu, peak_flops):
     """row's recompute share, what a step sends, its tokens and (with the GPU's FLOP/s) its step time."""
     b, k = row.b, row.accum
-    peaks = Peaks(one, world, 1 if k == 1 else 2, (1,) if b == 1 else (2, 3))
+    steps, bs = 1 if k == 1 else 2, (1,) if b == 1 else (2, 3)
+    at_b = peaks(one, world, steps, bs)
     per_micro_step = lambda p, name: p.ext.figure(name, b) / p.traced_steps  # noqa: E731
-    flops = per_micro_step(peaks, "flops") * k
+    flops = per_micro_step(at_b, "flops") * k
     # the model's FLOPs: no recompute, whatever the sharding (one process's forward and backward)
-    model = per_micro_step(Peaks(replace(one, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", shard="none",
-                                         loss_chunks=1), 1,
-                                 1 if k == 1 else 2, (1,) if b == 1 else (2, 3)), "flops") * k
+    model = per_micro_step(peaks(replace(one, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", shard="none",
+                                         loss_chunks=1), 1, steps, bs), "flops") * k
     row.recompute, row.tokens = flops / model - 1, world * b * k * one.block_size
-    row.sent = sent(one, peaks, world, b, k)
+    row.sent = sent(one, at_b, world, b, k)
     tflops = gpu.tflops or ({p: peak_flops / 1e12 for p in PRECISIONS} if peak_flops else None)
     if tflops:
-        fp8 = per_micro_step(peaks, "fp8_flops") * k
+        fp8 = per_micro_step(at_b, "fp8_flops") * k
         rest = precision.decide(one).name if precision.decide(one).fp8 is None else "bf16"
         row.step_s = (fp8 / (tflops["fp8"] or 1) + (flops - fp8) / tflops[rest]) / 1e12 / mfu
 
@@ -446,5 +437,5 @@ def sent(cfg, peaks, world, b, k):
     if cfg.shard == "none":
         return 2 * peaks.ext.figure("parameters", b) * (1 if cfg.fp32_grad_accum is False else 2)
     if cfg.shard in zero.STAGES:
-        return max(comm.volume(peaks.optimizer_step(rank)["calls"]) for rank in peaks.ranks)
+        return max(comm.volume(peaks.steps[rank]["calls"]) for rank in peaks.ranks)
     return peaks.ext.figure("sent", b) + (k - peaks.traced_steps) * peaks.ext.figure("gathered", b)

@@ -190,29 +190,84 @@ def _key(kind, cfg, *args):
     return kind, repr(cfg), *args, emulated(cfg), flops.model_code()
 
 
+class Missing(Exception):
+    """A trace not made yet, asked for while `rounds` notes what its items read."""
+
+
+_ASKED = []  # rounds(): the traces asked for and not made yet, while it notes them
+
+
 def _cached(kind, cfg, *args):
     key = _key(kind, cfg, *args)
     if key not in _TRACED:
-        if len(_TRACED) > 1024:
+        if _ASKED:
+            _ASKED[-1].append((kind, cfg, *args))
+            raise Missing(kind)
+        if len(_TRACED) > 4096:
             _TRACED.clear()
         _TRACED[key] = KINDS[kind](cfg, *args)
     return _TRACED[key]
 
 
+def all_of(requests):
+    """[the trace of each request (kind, cfg, *args)]: while `rounds` notes, every missing one is noted."""
+    out, missing = [], None
+    for request in requests:
+        try:
+            out.append(_cached(*request))
+        except Missing as e:
+            missing = e
+    if missing:
+        raise missing
+    return out
+
+
+def memoized(make, cfg, *args):
+    """make(cfg, *args), kept beside the traces it reads (under the same key)."""
+    key = _key(make.__qualname__, cfg, *args)
+    if key not in _TRACED:
+        _TRACED[key] = make(cfg, *args)
+    return _TRACED[key]
+
+
+def rounds(evaluate, items, workers):
+    """[evaluate(item)] of each item, the traces they read made `workers` processes at once: every item is
+    evaluated while the traces it asks for and finds missing are noted (its evaluation stops at them), those
+    are traced in parallel, and again until none is missing. What a worker cannot trace is traced here."""
+    while workers > 1:
+        _ASKED.append([])
+        try:
+            for item in items:
+                with contextlib.suppress(Missing):
+                    evaluate(item)
+        finally:
+            asked = _ASKED.pop()
+        if not prefetch(asked, workers):
+            break
+    return [evaluate(item) for item in items]
+
+
 def prefetch(requests, workers):
-    """Trace what `requests` [(kind, cfg, *args) of `_cached`] ask, `workers` processes at once, into the cache.
-    Forked: each inherits model.py as this process holds it. What fails there is left to be traced (and to
-    raise) here, in the order it is asked."""
+    """Trace what `requests` [(kind, cfg, *args) of `_cached`] ask, `workers` processes at once, the longest
+    first, into the cache; how many it made. Forked: each inherits model.py as this process holds it. What
+    fails there is left to be traced (and to raise) here, where it is asked."""
     todo = {}
     for request in requests:
         if _key(*request) not in _TRACED:
             todo.setdefault(_key(*request), request)
-    if workers < 2 or len(todo) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return
-    with multiprocessing.get_context("fork").Pool(workers, initializer=_worker_start) as pool:
+    if not todo or "fork" not in multiprocessing.get_all_start_methods():
+        return 0
+    todo = dict(sorted(todo.items(), key=lambda item: -_cost(*item[1][:2])))
+    with multiprocessing.get_context("fork").Pool(min(workers, len(todo)), initializer=_worker_start) as pool:
         for key, out in zip(todo, pool.imap(_traced_or_none, todo.values())):
             if out is not None:
                 _TRACED[key] = out
+    return sum(key in _TRACED for key in todo)
+
+
+def _cost(kind, cfg):
+    """A trace's time, roughly: blocks run (FSDP's three times, with its gathers), an optimizer's step cheap."""
+    return cfg.n_layer * (0.25 if kind != "step" else 4 if cfg.shard == "fsdp" else 1)
 
 
 def _worker_start():
@@ -243,15 +298,6 @@ def warm(model_, parts, batch):
     opt.zero_grad()
 
 
-def optimizer_step(cfg, world=1, rank=0):
-    """Rank `rank`'s optimizer step alone, traced at cfg's full depth (ZeRO's slices make each depth's
-    unlike): the run built on fake tensors, its gradients made as backward leaves them (a .grad like each
-    parameter; with FP32 sums, those), one step (AdamW's states appear), then the next counted. Returns
-    dict(static: its states, buffers and FP32 sums; start: the bytes alive as the optimizer begins;
-    points: the step's timeline; calls: its collectives; buffers: the model's, which attn changes)."""
-    return _cached("optimizer step", optimizer_config(cfg), world, rank)
-
-
 def optimizer_config(cfg):
     """cfg as the optimizer's step sees it: nothing of these reaches it (attn: the masks, which are buffers)."""
     return replace(cfg, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", dropout=0.0, batch_size=1, attn="sdpa",
@@ -259,6 +305,11 @@ def optimizer_config(cfg):
 
 
 def _optimizer_step(cfg, world, rank):
+    """Rank `rank`'s optimizer step alone, traced at cfg's full depth (ZeRO's slices make each depth's
+    unlike): the run built on fake tensors, its gradients made as backward leaves them (a .grad like each
+    parameter; with FP32 sums, those), one step (AdamW's states appear), then the next counted. Returns
+    dict(held: its states, FP32 sums; buffers; start: the bytes alive as the optimizer begins; points: the
+    step's timeline; calls: its collectives; parameters: their bytes). Asked for as ("optimizer step", ...)."""
     device = torch.device("cuda" if cfg.device == "cuda" and not emulated(cfg) else "cpu")
     with fake_ranks(world, rank), fake_tensors(), cuda_rules(emulated(cfg)):
         model_, parts = build.build(cfg, device)
@@ -287,6 +338,7 @@ def _optimizer_step(cfg, world, rank):
             del opt.step
         held, buffers, (host, host_n, _) = _held(cfg, model_, parts, device)
         return dict(held=held, buffers=buffers, start=found["start"] - host, calls=count.calls,
+                    parameters=measure.storage_bytes(list(model_.parameters()), device),
                     points=[(n - host, storages - host_n, large) for (_, phase, _), _, n, storages, large
                             in tracker.points if phase == "step"])
 

@@ -41,6 +41,7 @@ DEEP = dict(n_layer=6, n_embd=32, n_head=2, block_size=64, vocab_size=256, devic
     (dict(precision="bf16", shard="none", fp32_grad_accum=True), 2, 2), (dict(precision="fp32", shard="zero1"), 2, 1),
     (dict(precision="bf16", shard="zero2", bias=False), 3, 2), (dict(precision="bf16", shard="fsdp", n_layer=7), 2, 1),
     (dict(precision="fp32", shard="fsdp", ckpt="full", n_layer=7), 2, 2),
+    (dict(precision="bf16", shard="fsdp", ckpt="sqrt", ckpt_segment=2, n_layer=9), 2, 2),
     (dict(precision="bf16", loss_chunks=4, vocab_size=4096), 1, 2)])
 def test_the_extended_step_is_the_step_traced_whole(over, world, micro_steps):
     """What the plan relies on: traced at 2 and 3 units (4 and 5 under FSDP) and micro-batches 2 and 3, every
@@ -266,6 +267,8 @@ def test_one_rank_of_each_kind_is_traced_for_all(shard):
     kinds = lp.Peaks(cfg, world)
     every = lp.Peaks(cfg, world)
     every.ranks = list(range(world))
+    every.steps = dict(enumerate(trace.all_of([("optimizer step", trace.optimizer_config(cfg), world, rank)
+                                               for rank in every.ranks])))
     every.lines = every._lines()
     assert len(kinds.ranks) < world, f"every one of the {world} ranks is a kind of its own: {kinds.ranks}"
     for b in (2, 5):
