@@ -19,7 +19,7 @@ import memory_ledger as ml
 import precision
 from config import Config
 from ledger import trace
-from ledger.parallel import _split, big_config, zero_components
+from ledger.parallel import _split, zero_components
 
 
 def layer(cfg, t=1, sp=False):
@@ -36,7 +36,8 @@ def layer(cfg, t=1, sp=False):
 def korthikanti_rows(t=8):
     """[(row, the paper's formula, paper bytes, ours, explained difference, why)] per layer, GPT-3 175B
     (s=2048, b=1, h=12288, a=96), CUDA BF16, manual attention, dropout 0.1, two layers traced."""
-    gpt3 = big_config("175B (GPT-3)", n_layer=2, precision="bf16", attn="manual", dropout=0.1)
+    gpt3 = Config(n_layer=2, n_embd=12288, n_head=96, block_size=2048, vocab_size=50257, batch_size=1, device="cuda",
+                  precision="bf16", attn="manual", dropout=0.1)  # (two of its 96 layers: blocks are alike)
     h, a, s, b = gpt3.n_embd, gpt3.n_head, gpt3.block_size, gpt3.batch_size
     sbh, core = s * b * h, 5 * a * s * s * b
     why = "what our layer keeps that the formula does not count as it is: LayerNorm's FP32 mean and rstd (16bs)"

@@ -1,4 +1,4 @@
-"""The whole picture: what splitting across GPUs does to the four components, and the big shapes.
+"""The whole picture: what splitting across GPUs does to the four components (big shapes: make plan).
 
 Chapter section 4 ("Splitting: ZeRO/FSDP split states, TP splits weights, PP splits layers, SP/CP
 split activations; offload"). Read memory_ledger.py first (the components, and which term each saved
@@ -8,13 +8,11 @@ are the papers' rules applied tensor by tensor to this config's traced step: whi
 module that saved it, and whether model.py's Linear writes into the residual stream (`residual_projection`:
 row-parallel under TP, Megatron's), never a second description of the model.
 """
-import math
 from dataclasses import replace
 
 import memory_ledger as ml
 import precision
-from config import Config
-from ledger import plan, trace
+from ledger import trace
 
 
 def zero_components(c, n, stage):
@@ -123,41 +121,3 @@ def parallel_rows(cfg, ranks=8, tp=8, pp=8, cp=4):
     rows.append((f"context parallel c={cp}", dict(c, activations=c["activations"] // cp), "formula"))
     rows.append(("CPU offload (ZeRO-Offload)", dict(c, gradients=0, optimizer=0), "formula"))
     return rows
-
-
-# ---------------------------------------------------------------- what-if: shapes that do not fit here
-
-BIG_SHAPES = {  # name: (L, h, a, s, V), GPT-2-style blocks as in model.py
-    "GPT-2 XL": (48, 1600, 25, 1024, 50257),
-    "7B": (32, 4096, 32, 4096, 32000),
-    "175B (GPT-3)": (96, 12288, 96, 2048, 50257),  # the papers' shape (ledger/papers.py): two of its layers traced
-}
-WHAT_IF = ("GPT-2 XL", "7B")  # (175B's optimizer step alone, 96 layers traced whole, takes half a minute)
-
-
-def big_config(name, **over):
-    """A Config of one of BIG_SHAPES on CUDA (its rules traced where torch has none), micro-batch 1."""
-    L, h, a, s, V = BIG_SHAPES[name]
-    return Config(**{**dict(n_layer=L, n_embd=h, n_head=a, block_size=s, vocab_size=V, batch_size=1,
-                            device="cuda"), **over})
-
-
-def what_if(gpu_gib=80, ranks=8, precision_name="bf16", workers=1):
-    """[dict(shape, P, ckpt, zero, states, activations, max_b)] per GPU, traced (ledger/plan.py's extension):
-    manual attention, dropout as Config's default (0); states: what a rank holds all step (parameters,
-    master, AdamW, buffers), over `ranks` under FSDP; activations after the forward at b=1; max_b: the
-    largest micro-batch whose peak fits a GPU of gpu_gib as CUDA reports it (no context, no allocator).
-    workers: processes that trace at once (trace.rounds)."""
-    budget = gpu_gib * 2 ** 30
-    cases = [(name, big_config(name, precision=precision_name, ckpt=ckpt, attn="manual",
-                               shard="fsdp" if sharded else "none"), ranks if sharded else 1)
-             for name in WHAT_IF for ckpt in ("none", "full") for sharded in (False, True)]
-
-    def evaluate(case):
-        name, cfg, world = case
-        one = plan.peaks(cfg, world, 1, (1,))
-        most = plan.peaks(cfg, world, 1, (2, 3)).largest(budget) if one.at(1)[0] <= budget else 0
-        return dict(shape=name, P=sum(math.prod(s) for s in plan.param_shapes(cfg)), ckpt=cfg.ckpt,
-                    zero=f"FSDP/{world}" if cfg.shard == "fsdp" else "none", states=one.states(),
-                    activations=one.ext.figure("activations", 1), max_b=most)
-    return trace.rounds(evaluate, cases, workers)

@@ -225,7 +225,7 @@ def test_full_recompute_under_compile_keeps_only_the_blocks_inputs():
 
 def test_the_ledger_names_what_compiled_blocks_save(capsys, tmp_path, monkeypatch):
     from tools import ledger
-    monkeypatch.setattr(ledger, "what_if_text", lambda opts: ("the what-if: not run by this test", True))
+    monkeypatch.setattr(ledger, "papers_text", lambda: ("the published figures: not run by this test", True))
     flags = [f"--{k}={v}" for k, v in SHAPE.items() if k not in ("max_iters", "warmup_iters", "learning_rate")]
     status = ledger.main(flags + ["--precision=fp32", "--dropout=0.1", "--compile", "--table=formula",
                                   f"--out_dir={tmp_path}"])

@@ -6,7 +6,7 @@ the edit departs from the chapter's formula.
 
 `make ledger` runs with --table=formula: the table's measured rows and the ranks' processes are machinery
 tests/test_memory_cli.py holds (the ranks would run model.py as it is on disk, not as edited here); the
-what-if is not rerun here (its big shapes are the chapter's GPT whatever the edit).
+published figures are not rerun here (their shapes are the papers' GPT whatever the edit).
 """
 import pytest
 import torch
@@ -29,8 +29,8 @@ CONFIGS = [["--precision=bf16"], ["--precision=fp32", "--ckpt=full", "--dropout=
 
 
 @pytest.fixture(autouse=True)
-def no_what_if(monkeypatch):
-    monkeypatch.setattr(tool, "what_if_text", lambda opts: ("the what-if: not run by this test", True))
+def no_papers(monkeypatch):
+    monkeypatch.setattr(tool, "papers_text", lambda: ("the published figures: not run by this test", True))
 
 
 @pytest.mark.parametrize("edit", EDITS)

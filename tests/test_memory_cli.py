@@ -1,4 +1,4 @@
-"""`make ledger` (tools/ledger.py): the report, the what-if alone, the exit status, bad input."""
+"""`make ledger` (tools/ledger.py): the report, the published figures alone, the exit status, bad input."""
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -8,24 +8,20 @@ import model
 import train
 from config import RunError
 from guards.cli import parse_args
-from ledger import parallel as mp
 from ledger import trace
 from tools import ledger as tool
 from tools import ledger_report
 
 TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--seed=3"]
-READS_THE_WHAT_IF = ("test_cli_prints_table_and_writes_svg", "test_what_if_only_builds_nothing",
-                     "test_a_section_that_cannot_run_says_why_and_the_report_goes_on")
+READS_THE_PAPERS = ("test_cli_prints_table_and_writes_svg", "test_papers_only_builds_nothing",
+                    "test_a_section_that_cannot_run_says_why_and_the_report_goes_on")
 
 
 @pytest.fixture(autouse=True)
-def what_if_stubbed(request, monkeypatch):
-    """The what-if traces two big shapes (~40 s here): the tests above read it for one (its traces shared), the
-    others a stub."""
-    if request.node.originalname in READS_THE_WHAT_IF:
-        monkeypatch.setattr(mp, "WHAT_IF", ("GPT-2 XL",))
-    else:
-        monkeypatch.setattr(tool, "what_if_text", lambda opts: ("the what-if: not run by this test", True))
+def papers_stubbed(request, monkeypatch):
+    """The published figures trace the papers' shapes: the tests above read them (once), the others a stub."""
+    if request.node.originalname not in READS_THE_PAPERS:
+        monkeypatch.setattr(tool, "papers_text", lambda: ("the published figures: not run by this test", True))
 
 
 def test_cli_prints_table_and_writes_svg(tmp_path, capsys):
@@ -33,7 +29,7 @@ def test_cli_prints_table_and_writes_svg(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     for name in ("FP32 baseline", "BF16 mixed precision", "FSDP (ZeRO-3) over 4 (rank 0)", "tensor parallel", "CPU offload",
-                 "selective checkpointing", "pipeline p=2, first stage", "pipeline p=2, last stage", "GPT-2 XL",
+                 "selective checkpointing", "pipeline p=2, first stage", "pipeline p=2, last stage", "make plan N_LAYER=32",
                  "published figure vs ours", "Table 2: TP t=8 + SP + selective", "ZeRO Table 1: P_os+g+p"):
         assert name in out, name
     assert "buffers" in out.splitlines()[3] and "rng_states" in out and "UNEXPLAINED" not in out
@@ -57,20 +53,19 @@ def test_fp8_row_is_measured_here(tmp_path, capsys):
     assert next(line for line in out.splitlines() if line.startswith("FP8 (native) ")).endswith("measured")
 
 
-def test_what_if_only_builds_nothing(monkeypatch, capsys):
+def test_papers_only_builds_nothing(monkeypatch, capsys):
     def refuse(*args, **kw):
-        raise AssertionError("--what_if_only must not build a model")
+        raise AssertionError("--papers_only must not build a model")
     monkeypatch.setattr(train, "build", refuse)
-    assert tool.main(["--what_if_only", "--gpu_gib=40", "--ranks=4"]) == 0  # (the traces of the test above)
+    assert tool.main(["--papers_only", "--ranks=4"]) == 0  # (the traces of the test above)
     out = capsys.readouterr().out
-    assert "a 40 GiB GPU" in out and "published figure vs ours" in out and "component" not in out
-    assert "dropout 0" in out  # the what-if states its assumptions
+    assert "published figure vs ours" in out and "component" not in out and "make plan" in out
 
 
-def test_help_says_how_to_print_the_what_if_alone(capsys):
+def test_help_says_how_to_print_the_published_figures_alone(capsys):
     assert tool.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "--what_if_only" in out and "make ledger ARGS=--what_if_only" in out
+    assert "--papers_only" in out and "make ledger ARGS=--papers_only" in out
 
 
 @pytest.mark.parametrize("component", ["activations", "peak"])
@@ -87,7 +82,7 @@ def test_cli_exits_1_when_a_check_misses(tmp_path, monkeypatch, capsys, componen
 @pytest.mark.parametrize("argv,needle", [(["--n_layer=-1"], "n_layer"), (["--n_embd=32", "--n_head=3"], "divide"),
                                          (["--batch_size=0"], "batch_size"), (["--ranks=0"], "ranks"),
                                          (["--tp=x"], "integer"), (["--precision=fp8", "--fp8_backend=te"], "native"),
-                                         (["--what_if_only=maybe"], "what_if_only"),
+                                         (["--papers_only=maybe"], "papers_only"),
                                          (["--precision=bf16", "--fp8_amax_history=0"], "fp8_amax_history")])
 def test_bad_config_exits_2(argv, needle, capsys):
     assert tool.main(argv) == 2  # in-process: tools/ledger.py's main is what its command line runs
@@ -124,8 +119,8 @@ def ranks_measured():
 @pytest.mark.parametrize("name,shape,precision", PRECISIONS, ids=[f"{n}-{p}" for n, _, p in PRECISIONS])
 def test_every_precisions_ledger_passes(ranks_measured, name, shape, precision, tmp_path, capsys, monkeypatch):
     """`make ledger` end to end, every section (the sharded rows' collectives included: FP8's amax
-    all-reduce is in each rank's trace), exit status 0. The what-if is the same for every config
-    (test_cli_prints_table_and_writes_svg runs it)."""
+    all-reduce is in each rank's trace), exit status 0. The published figures are the same for every
+    config (test_cli_prints_table_and_writes_svg prints them)."""
     rc = tool.main(shape + [f"--precision={precision}", f"--out_dir={tmp_path}"])
     out, err = capsys.readouterr()
     missed = [line for line in out.splitlines() if any(word in line for word in ("MISS", "skipped", "DIFFERENT",
@@ -138,7 +133,7 @@ def test_every_precisions_ledger_passes(ranks_measured, name, shape, precision, 
 # ---------------------------------------------------------------- the ledger always answers (issue 27)
 
 def test_a_section_that_cannot_run_says_why_and_the_report_goes_on(monkeypatch, tmp_path, capsys):
-    """A table row, the ranks' processes and the what-if each fail here: each says why in one line,
+    """A table row, the ranks' processes and the published figures each fail here: each says why in one line,
     every other section is printed, exit status 1, no traceback."""
     real = tool.run_config
 
@@ -151,7 +146,7 @@ def test_a_section_that_cannot_run_says_why_and_the_report_goes_on(monkeypatch, 
     def ranks_fail(cfg):
         raise RunError("the sharded rows' 2 processes failed: rank 1, ZeRO-1: TypeError: a learner's optimizer")
     monkeypatch.setattr(tool, "measure_ranks", ranks_fail)
-    monkeypatch.setattr(tool, "what_if_text", lambda opts: 1 / 0)
+    monkeypatch.setattr(tool, "papers_text", lambda: 1 / 0)
     rc = tool.main(TINY + ["--precision=bf16", f"--out_dir={tmp_path}"])
     out, err = capsys.readouterr()
     lines = out.splitlines()
@@ -159,7 +154,7 @@ def test_a_section_that_cannot_run_says_why_and_the_report_goes_on(monkeypatch, 
             f"  ZeRO-1, ZeRO-2 and FSDP over {tool.RANKS}: skipped: their processes failed (below)",
             "each rank's states under DDP, ZeRO and FSDP: skipped: the sharded rows' 2 processes failed: rank 1, "
             "ZeRO-1: TypeError: a learner's optimizer",
-            "the what-if and the published figures: skipped: ZeroDivisionError: division by zero (tests/"]
+            "the published figures: skipped: ZeroDivisionError: division by zero (tests/"]
     unsaid = [line for line in said if not any(printed.startswith(line) for printed in lines)]
     assert rc == 1 and err == "ledger: some check missed\n" and not unsaid, \
         f"exit status {rc}, stderr {err!r}; not said:\n" + "\n".join(unsaid) + "\n" + out

@@ -7,7 +7,7 @@ import torch
 
 import memory_ledger as ml
 from config import Config
-from ledger import papers, plan, trace
+from ledger import papers, trace
 from ledger import parallel as mp
 from model import GPT
 
@@ -92,10 +92,3 @@ def test_pp_stages_hold_their_own_parameters():
     assert last["parameters"] == e * (L // 4 * block_params + sum(p.numel() for p in gpt.ln_f.parameters()) + V * h), \
         "the last stage's parameters"
     assert first["activations"] > last["activations"], "1F1B: the first stage keeps p micro-batches in flight"
-
-
-def test_what_if_bigger_gpu_fits_bigger_batches():
-    sh = mp.big_config("GPT-2 XL", precision="bf16", ckpt="full")
-    peaks = plan.Peaks(sh, 1)
-    b40, b80 = peaks.largest(40 * 2 ** 30), peaks.largest(80 * 2 ** 30)
-    assert 1 < b40 < b80, f"GPT-2 XL, full recompute: b={b40} on 40 GiB, b={b80} on 80 GiB"

@@ -1,17 +1,17 @@
 """`make ledger`: the memory ledger's report: the step traced beside the step measured, the chapter's
 closed forms beside both, the four components x techniques table, each rank under DDP, ZeRO and FSDP,
-the what-if and the published figures, an SVG.
+the published figures, an SVG. Big shapes, what fits a GPU: `make plan`.
 
 A tool, not a chapter file: it composes ledger/trace.py (the step of model.py as it is, on fake
 tensors: the exact column), ledger/measure.py (the same step run and counted), memory_ledger.py (the
 formulas, and which of their terms each saved tensor is), ledger/parallel.py (the techniques this
-project does not run, the big shapes) and ledger/papers.py (the published figures), and prints.
+project does not run) and ledger/papers.py (the published figures), and prints.
 
     python tools/ledger.py --precision=bf16 --ckpt=full   (make ledger PRECISION=bf16 CKPT=full)
-    python tools/ledger.py --what_if_only                  (make ledger ARGS=--what_if_only)
+    python tools/ledger.py --papers_only                   (make ledger ARGS=--papers_only)
 
---what_if_only prints the what-if and the published-figure table and nothing else: nothing is run or
-measured here (they are traced). Every config key of train.py applies, plus the ledger's own (below).
+--papers_only prints the published-figure table and nothing else: nothing is run or measured here (it
+is traced). Every config key of train.py applies, plus the ledger's own (below).
 The checks: every component and the peak, traced against measured, to the byte on CPU (both sides
 count the storages of one step op by op: no tolerance); on CUDA the components to the byte and the
 peak printed beside the caching allocator's, with the slack its block sizes allow. The closed forms
@@ -26,7 +26,6 @@ missed or a section could not run, 2 for bad input.
 import functools
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, fields, replace
@@ -53,16 +52,18 @@ from tools.ledger_report import format_table, in_words  # noqa: E402,F401  (tool
 from tools.ledger_ranks import RANKS, format_ranks, measure_ranks, measure_ranks_many, sharded_rows  # noqa: E402,F401
 
 
+BIG_SHAPE = "make plan N_LAYER=32 N_EMBD=4096 N_HEAD=32 BLOCK_SIZE=4096 VOCAB_SIZE=32000 NPROC=8"
+
+
 @dataclass
 class LedgerOptions:
-    ranks: int = key(8, "data-parallel ranks for the ZeRO rows and the what-if", at_least=1)
+    ranks: int = key(8, "data-parallel ranks for the ZeRO and FSDP rows", at_least=1)
     tp: int = key(8, "tensor-parallel size for the TP rows (the published Table 2 rows keep the paper's t=8)",
                   at_least=1)
     pp: int = key(8, "pipeline stages for the PP rows (the largest divisor of n_layer up to it)", at_least=1)
     cp: int = key(4, "context-parallel size for the CP row", at_least=1)
-    gpu_gib: int = key(80, "GPU memory of the what-if, GiB", at_least=1)
     table: str = key("measure", "measure the rows this project runs, or formulas only", ("measure", "formula"))
-    what_if_only: bool = key(False, "print only the what-if and the published figures: nothing run or measured")
+    papers_only: bool = key(False, "print only the published figures beside ours: nothing run or measured")
 
 
 def run_config(cfg, device):
@@ -262,16 +263,11 @@ def technique_rows(cfg, device, opts, measure_runs=True, skipped=None):
     return rows
 
 
-def what_if_text(opts):
-    """The what-if and the published figures: traced, once per process and size (the same for every config)."""
-    return _what_if(opts.gpu_gib, opts.ranks)
-
-
-@functools.lru_cache(maxsize=4)
-def _what_if(gpu_gib, ranks):
-    out = [report.format_what_if(mp.what_if(gpu_gib, ranks, workers=len(os.sched_getaffinity(0))), gpu_gib), "",
-           report.format_papers(papers.korthikanti_rows(), papers.zero_rows())]
-    return "\n".join(out), True
+@functools.lru_cache(maxsize=1)
+def papers_text():
+    """The published figures beside ours: traced, once per process (the same for every config)."""
+    return report.format_papers(papers.korthikanti_rows(), papers.zero_rows()) + \
+        f"\nbig shapes, what fits a GPU and with what: {BIG_SHAPE} (ledger/plan.py)", True
 
 
 # ---------------------------------------------------------------- main
@@ -312,12 +308,12 @@ def program(argv):
     started = time.perf_counter()
     cfg, opts = cli.parse_args(argv, LedgerOptions)
     say = functools.partial(print, flush=True)
-    if opts.what_if_only:  # the big shapes and the papers' own: no key of this run applies
+    if opts.papers_only:  # the papers' shapes: no key of this run applies
         ignored = given(argv) - {f.name for f in fields(LedgerOptions)}
         if ignored:
-            raise UsageError(f"--{', --'.join(sorted(ignored))}: --what_if_only prints the big shapes and the "
-                             f"papers' figures, this run's keys do not apply")
-        text, ok = section_text(lambda: what_if_text(opts), "the what-if and the published figures")
+            raise UsageError(f"--{', --'.join(sorted(ignored))}: --papers_only prints the papers' figures at "
+                             f"their shapes, this run's keys do not apply")
+        text, ok = section_text(papers_text, "the published figures")
         say(text)
         return 0 if ok else 1
     opts = check_options(cfg, opts, argv)
@@ -367,7 +363,7 @@ def program(argv):
             rank_lines, ranks_ok = [f"each rank's states under DDP, ZeRO and FSDP: skipped: {e}"], False
         say("\n" + "\n".join(rank_lines))
         ok = ok and ranks_ok
-    text, same = section_text(lambda: what_if_text(opts), "the what-if and the published figures")
+    text, same = section_text(papers_text, "the published figures")
     say("\n" + text)
     say(f"\nwrote {path} and {path.with_suffix('.json').name} ({time.perf_counter() - started:.1f} s)")
     if not (ok and same):

@@ -32,19 +32,6 @@ def format_table(rows):
     return "\n".join(lines)
 
 
-def format_what_if(rows, gpu_gib):
-    lines = [f"what-if, per GPU: bf16 + AdamW, manual attention, a GPU's kernel rules, dropout 0 (Config's default; "
-             f"the published figures below use 0.1), traced (ledger/plan.py: small traces extended to the depth),",
-             f"states = what a rank holds all step: parameters, FP32 master, AdamW, buffers (FSDP shards all but the "
-             f"buffers); activations after the forward at b=1,",
-             f"max b = the largest micro-batch whose traced peak fits a {gpu_gib} GiB GPU (0: not even b=1):",
-             f"{'shape':14} {'params':>9} {'ckpt':>9} {'sharding':>9} {'states':>11} {'activations':>12} {'max b':>6}"]
-    for r in rows:
-        lines.append(f"{r['shape']:14} {r['P'] / 1e9:8.2f}B {r['ckpt']:>9} {r['zero']:>9} {fmt_bytes(r['states']):>11} "
-                     f"{fmt_bytes(r['activations']):>12} {r['max_b']:6d}")
-    return "\n".join(lines)
-
-
 def format_papers(korthikanti, zero):
     """The published figures beside ours; a difference is 'explained' when it equals the
     bytes the row's reason names (computed from our terms, not typed in)."""
