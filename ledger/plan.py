@@ -3,19 +3,9 @@ costs, from the traced step. tools/plan.py (`make plan`) prints them, fastest fi
 
 Chapter section 4 put to work. Read first: `Extended` (a big model's step from four small traces),
 then `Peaks` (one configuration's peak on each kind of rank, at any micro-batch), then `plan`.
-
-Nothing real is built: every figure is ledger/trace.py's, model.py run on fake tensors. A step of L
-layers is traced at two depths, 2 and 3 of its recompute units (a block each; CKPT_SEGMENT blocks under
-sqrt, the blocks left over after them), and two micro-batches, 2 and 3. Blocks are alike, so each
-allocation of the step, told by its phase and the block it runs in (the first unit's, the last's, the
-leftover's; a middle unit's lies between them and cannot be the highest), holds bytes bilinear in the
-units and the micro-batch: four traces give each exactly at any depth and micro-batch (tests/test_plan.py
-holds it to full traces), and the largest micro-batch that fits is solved, not searched.
-  - DDP, ZeRO-1 and ZeRO-2 run the same forward and backward, traced once without sharding; a rank
-    differs in what it holds all step and in its optimizer step, which ZeRO's slices make unlike at
-    each depth: every kind of ZeRO rank's step is traced alone at the full depth (trace._optimizer_step);
-    DDP adds its reducer's buckets (trace.DDP). FSDP is traced as it runs, rank 0 of NPROC.
-  - K > 1 micro-steps are traced with two (the second starts with .grad alive).
+Every figure is ledger/trace.py's, model.py run on fake tensors: a step traced at two depths and two
+micro-batches extends exactly to any (blocks are alike, bytes bilinear in depth and micro-batch).
+docs/plan.md has the why of each step and what is exact.
 """
 import math
 import re
@@ -36,6 +26,8 @@ MIB, GIB = 2 ** 20, 2 ** 30
 CONTEXT_MIB = 400  # the CUDA context with lazy module loading (CUDA >= 11.7): ~400 MB, pytorch/pytorch#109888
 MFU = 0.40  # the utilization of the GPU's peak the step time assumes, stated, not measured
 TARGET_TOKENS = 2 ** 19  # the default target batch, tokens per optimizer step (nanoGPT's GPT-2 run: 524,288)
+
+
 # ---------------------------------------------------------------- a big step from four small traces
 
 def units(cfg):
@@ -53,9 +45,9 @@ def at_depth(cfg, q, b):
 
 
 def segments(points, q, k, window, step=False):
-    """{where: [(op, bytes, storages, large)]} of a traced timeline up to its optimizer step, each block by its place: (its unit's
-    distance from the first or the last, within `window`, or "leftover"; its index in its unit); a middle unit's
-    points are left out (blocks are alike: between its neighbours' its bytes cannot be the highest)."""
+    """{where: [(op, bytes, storages, large)]} of a traced timeline up to its optimizer step, each block by its
+    place: its unit's distance from the first or the last (within `window`) or "leftover", its index in its
+    unit. A middle unit's points are left out: between its neighbours', they cannot be the highest."""
     out = {}
     for (n, phase, where), op, *counts in points:
         if phase == "step" and not step:
@@ -87,9 +79,9 @@ def _runs(points):
 
 class Extended:
     """cfg's traced step at its depth and any micro-batch b >= 2 (b=(1,): at b = 1), from traces at 2 and 3
-    units and micro-batches 2 and 3 (a model of 3 units or fewer: traced at its depth, extended in b alone).
-    Each point and each figure f is f22 + (q-2)(f32 - f22) + (b-2)(f23 - f22) + (q-2)(b-2)(f33 - f32 - f23 + f22):
-    a point's bytes, and the storages alive there (all, and those over 1 MiB: what the CUDA allocator rounds)."""
+    units (a model of 3 units or fewer: at its depth) and micro-batches 2 and 3. Each point's bytes and
+    storages (all, and those over 1 MiB), and each figure: f22 + (q-2)(f32 - f22) + (b-2)(f23 - f22) +
+    (q-2)(b-2)(f33 - f32 - f23 + f22)."""
 
     def __init__(self, cfg, world=1, rank=0, micro_steps=1, b=(2, 3)):
         k, q, _ = units(cfg)
@@ -117,9 +109,8 @@ class Extended:
 
     @staticmethod
     def depths_of(cfg):
-        """(window, the two depths traced): FSDP's backward gathers the next block early, so its last block
-        differs from the one before it: two blocks at each end are told apart (units of one block: traced at 4
-        and 5 units)."""
+        """(window, the two depths traced): FSDP's backward gathers the next block early, so two blocks at
+        each end are told apart (units of one block: traced at 4 and 5 units)."""
         k, q, _ = units(cfg)
         window = -(-2 // k) if cfg.shard == "fsdp" else 1
         return window, ((2 * window, 2 * window + 1) if q > 2 * window + 1 else (q, q))
@@ -170,24 +161,18 @@ class Peaks:
         # one micro-step read off a trace of two, but under FSDP (whose first of two skips its reduce-scatter):
         # its three phases, then the optimizer's step, which finds the same bytes alive after either
         self.traced_steps = micro_steps if cfg.shard == "fsdp" else 2
-        self.ext = Extended(*self._run(cfg, world, micro_steps), b)
+        # the extension: FSDP as it runs, the others unsharded, alone
+        self.ext = Extended(cfg, world, 0, micro_steps, b) if cfg.shard == "fsdp" else \
+            Extended(replace(cfg, shard="none"), 1, 0, 2, b)
         self.lines = self._lines()
 
-    @staticmethod
-    def _run(cfg, world, micro_steps):
-        """(cfg, world, rank, micro-steps) of the extension: FSDP as it runs, the others unsharded, alone."""
-        if cfg.shard == "fsdp":
-            return cfg, world, 0, micro_steps
-        return replace(cfg, shard="none"), 1, 0, 2
-
     def _lines(self):
-        """{rank: (x, y, where)}: each point x + b*y (bytes, storages, storages over 1 MiB) and its place. The
-        forward and backward are the extension's, the optimizer's step the rank's own, traced at full depth
-        (trace._optimizer_step) and set on what the extension says is alive as it begins; FSDP's all the
-        extension's (its optimizer's step is alike block by block)."""
+        """{rank: (x, y, where)}: each point x + b*y (bytes, storages, storages over 1 MiB) and its place: the
+        extension's forward and backward, then the rank's own optimizer step set on what the extension says
+        is alive as it begins; FSDP's all the extension's (its optimizer's step is alike block by block)."""
         x, y = self.ext.line()
         where, b0 = list(self.ext.where), self.ext.bs[0]
-        if self.cfg.shard == "fsdp":  # FSDP's own first step leaves its state, its optimizer's steps alike blocks
+        if self.cfg.shard == "fsdp":
             return {0: (x, y, where)}
         ahead = np.array([label[1] != "step" and (self.traced_steps == self.micro_steps or label[0] <= 3)
                           for label in where], dtype=bool)
@@ -278,12 +263,11 @@ def _most(x, y, budget, limit):
 
 @dataclass
 class Row:
-    """One configuration of the plan: its precision (PRECISION's name), ckpt, shard and attn. b, accum: the
-    micro-batch and the micro-steps to the target batch; peak: the traced bytes at the highest point of the
-    highest rank; allocated, reserved, smi: what torch.cuda.max_memory_allocated, max_memory_reserved and
-    nvidia-smi would show there (`allocator`); budget: what reserved may reach; sent: bytes a step's
-    collectives move per rank (the paper's volume); step_s: the step time at the stated MFU (None without
-    the GPU's FLOP/s); why: what stops it, or None; states: of the peak, what the rank holds all step."""
+    """One configuration of the plan. b, accum: the micro-batch and the micro-steps to the target batch; peak:
+    the traced bytes at the highest point of the highest rank; allocated, reserved, smi: what the allocator's
+    counters and nvidia-smi would show there (`allocator`); budget: what reserved may reach; sent: bytes a
+    step's collectives move per rank; step_s: at the stated MFU (None without the GPU's FLOP/s); why: what
+    stops it, or None; states: of the peak, what the rank holds all step."""
     precision: str
     ckpt: str
     shard: str
@@ -413,17 +397,15 @@ def cost(row, one, gpu, world, mfu, peak_flops):
     """row's recompute share, what a step sends, its tokens and (with the GPU's FLOP/s) its step time."""
     b, k = row.b, row.accum
     steps, bs = 1 if k == 1 else 2, (1,) if b == 1 else (2, 3)
-    at_b = peaks(one, world, steps, bs)
-    per_micro_step = lambda p, name: p.ext.figure(name, b) / p.traced_steps  # noqa: E731
-    flops = per_micro_step(at_b, "flops") * k
-    # the model's FLOPs: no recompute, whatever the sharding (one process's forward and backward)
-    model = per_micro_step(peaks(replace(one, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", shard="none",
-                                         loss_chunks=1), 1, steps, bs), "flops") * k
+    # FLOPs, counted on one process's forward and backward (a sharding adds none); the model's: no recompute
+    counted = lambda c, name: peaks(replace(c, shard="none"), 1, steps, bs).ext.figure(name, b) // 2 * k  # noqa
+    flops = counted(one, "flops")
+    model = counted(replace(one, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", loss_chunks=1), "flops")
     row.recompute, row.tokens = flops / model - 1, world * b * k * one.block_size
-    row.sent = sent(one, at_b, world, b, k)
+    row.sent = sent(one, peaks(one, world, steps, bs), world, b, k)
     tflops = gpu.tflops or ({p: peak_flops / 1e12 for p in PRECISIONS} if peak_flops else None)
     if tflops:
-        fp8 = per_micro_step(at_b, "fp8_flops") * k
+        fp8 = counted(one, "fp8_flops")
         rest = precision.decide(one).name if precision.decide(one).fp8 is None else "bf16"
         row.step_s = (fp8 / (tflops["fp8"] or 1) + (flops - fp8) / tflops[rest]) / 1e12 / mfu
 

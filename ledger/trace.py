@@ -172,7 +172,8 @@ def rules_forced():
         _FORCED.pop()
 
 
-_TRACED = {}
+_TRACED = {}  # the traces made in this process, and what is made of them (memoized), by _key
+_ASKED = []  # while rounds() notes: the traces asked for and not made yet
 
 
 def step(cfg, world=1, rank=0, micro_steps=1, planned=False):
@@ -182,7 +183,7 @@ def step(cfg, world=1, rank=0, micro_steps=1, planned=False):
     "named" (each parameter's elements, dimensions, module kind, whether row-parallel), "params" (P, tensors),
     "host" (bytes a GPU keeps in host memory: taken out where CUDA's rules apply). planned: the planner's
     trace: its timeline ("points") and FLOPs ("flops", flops.Counted), up to where the optimizer's step
-    begins (but FSDP's, whole). A learner's model that fails raises as it is."""
+    begins (but FSDP's: whole, its FLOPs not counted). A learner's model that fails raises as it is."""
     return _cached("step", cfg, world, rank, micro_steps, planned)
 
 
@@ -191,10 +192,7 @@ def _key(kind, cfg, *args):
 
 
 class Missing(Exception):
-    """A trace not made yet, asked for while `rounds` notes what its items read."""
-
-
-_ASKED = []  # rounds(): the traces asked for and not made yet, while it notes them
+    """A trace not made yet, asked for while `rounds` notes."""
 
 
 def _cached(kind, cfg, *args):
@@ -210,7 +208,7 @@ def _cached(kind, cfg, *args):
 
 
 def all_of(requests):
-    """[the trace of each request (kind, cfg, *args)]: while `rounds` notes, every missing one is noted."""
+    """[the trace of each request (kind, cfg, *args)], every missing one noted while `rounds` notes."""
     out, missing = [], None
     for request in requests:
         try:
@@ -223,7 +221,7 @@ def all_of(requests):
 
 
 def memoized(make, cfg, *args):
-    """make(cfg, *args), kept beside the traces it reads (under the same key)."""
+    """make(cfg, *args), kept beside the traces it reads."""
     key = _key(make.__qualname__, cfg, *args)
     if key not in _TRACED:
         _TRACED[key] = make(cfg, *args)
@@ -231,38 +229,27 @@ def memoized(make, cfg, *args):
 
 
 def rounds(evaluate, items, workers):
-    """[evaluate(item)] of each item, the traces they read made `workers` processes at once: every item is
-    evaluated while the traces it asks for and finds missing are noted (its evaluation stops at them), those
-    are traced in parallel, and again until none is missing. What a worker cannot trace is traced here."""
-    while workers > 1:
+    """[evaluate(item)] of each item, the traces they read made `workers` processes at once: each item is
+    evaluated while the traces it finds missing are noted (it stops at them), those are traced, forked
+    (each process inherits model.py as this one holds it), the longest first, and again until none is
+    missing. What a worker cannot trace is left to be traced (and to raise) here, where it is asked."""
+    while workers > 1 and "fork" in multiprocessing.get_all_start_methods():
         _ASKED.append([])
         try:
             for item in items:
                 with contextlib.suppress(Missing):
                     evaluate(item)
         finally:
-            asked = _ASKED.pop()
-        if not prefetch(asked, workers):
+            todo = {_key(*request): request for request in _ASKED.pop()}
+        if not todo:
+            break
+        todo = dict(sorted(todo.items(), key=lambda item: -_cost(*item[1][:2])))
+        with multiprocessing.get_context("fork").Pool(min(workers, len(todo)), initializer=_worker_start) as pool:
+            _TRACED.update((key, out) for key, out in zip(todo, pool.imap(_traced_or_none, todo.values()))
+                           if out is not None)
+        if not any(key in _TRACED for key in todo):
             break
     return [evaluate(item) for item in items]
-
-
-def prefetch(requests, workers):
-    """Trace what `requests` [(kind, cfg, *args) of `_cached`] ask, `workers` processes at once, the longest
-    first, into the cache; how many it made. Forked: each inherits model.py as this process holds it. What
-    fails there is left to be traced (and to raise) here, where it is asked."""
-    todo = {}
-    for request in requests:
-        if _key(*request) not in _TRACED:
-            todo.setdefault(_key(*request), request)
-    if not todo or "fork" not in multiprocessing.get_all_start_methods():
-        return 0
-    todo = dict(sorted(todo.items(), key=lambda item: -_cost(*item[1][:2])))
-    with multiprocessing.get_context("fork").Pool(min(workers, len(todo)), initializer=_worker_start) as pool:
-        for key, out in zip(todo, pool.imap(_traced_or_none, todo.values())):
-            if out is not None:
-                _TRACED[key] = out
-    return sum(key in _TRACED for key in todo)
 
 
 def _cost(kind, cfg):
@@ -368,7 +355,8 @@ def _trace(cfg, world, rank, micro_steps, planned):
         batch = measure.random_batch(cfg, device)
         if not planned or cfg.shard == "fsdp":  # (the planner's stop before the step: Peaks sets the states)
             warm(model_, parts, batch)  # AdamW's states exist from here: the steady state
-        with comm.Count() as count, flops.Counted() if planned else contextlib.nullcontext() as counted:
+        counting = planned and cfg.shard != "fsdp"  # (a sharding adds no FLOPs: the plan reads them unsharded)
+        with comm.Count() as count, flops.Counted() if counting else contextlib.nullcontext() as counted:
             out = measure.measure(model_, parts, batch, device, micro_steps, timeline=marks if planned else None,
                                   until_step=planned and cfg.shard != "fsdp")
         if planned:  # the planner's: its timeline and figures (it keeps a trace for each of hundreds of configs)
@@ -379,8 +367,8 @@ def _trace(cfg, world, rank, micro_steps, planned):
         out["named"] = [(name, p.numel(), p.dim(), memory_ledger.module_kinds(owners[name])[""],
                          getattr(owners[name], "residual_projection", False)) for name, p in model_.named_parameters()]
         out["row_parallel"] = {path for path, m in model_.named_modules() if getattr(m, "residual_projection", False)}
-        out.update(calls=count.calls, flops=counted.total if planned else None,
-                   fp8_flops=counted.by_op.get("_scaled_mm", 0) if planned else None,
+        out.update(calls=count.calls, flops=counted.total if counting else None,
+                   fp8_flops=counted.by_op.get("_scaled_mm", 0) if counting else None,
                    sent=comm.volume(count.calls), gathered=comm.volume([c for c in count.calls if "gather" in c[0]])
                    // micro_steps, kinds=memory_ledger.module_kinds(model_),
                    params=(sum(p.numel() for p in params), len(params)), host=0)
