@@ -397,15 +397,17 @@ def cost(row, one, gpu, world, mfu, peak_flops):
     """row's recompute share, what a step sends, its tokens and (with the GPU's FLOP/s) its step time."""
     b, k = row.b, row.accum
     steps, bs = 1 if k == 1 else 2, (1,) if b == 1 else (2, 3)
-    # FLOPs, counted on one process's forward and backward (a sharding adds none); the model's: no recompute
-    counted = lambda c, name: peaks(replace(c, shard="none"), 1, steps, bs).ext.figure(name, b) // 2 * k  # noqa
-    flops = counted(one, "flops")
-    model = counted(replace(one, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", loss_chunks=1), "flops")
+    at_b = peaks(one, world, steps, bs)
+    per_micro_step = lambda p, name: p.ext.figure(name, b) // p.traced_steps * k  # noqa: E731
+    flops = per_micro_step(at_b, "flops")  # FSDP's as it runs: its re-run does not stop early (checkpoint.py)
+    # the model's FLOPs: one process's forward and backward, no recompute
+    model = per_micro_step(peaks(replace(one, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", shard="none",
+                                         loss_chunks=1), 1, steps, bs), "flops")
     row.recompute, row.tokens = flops / model - 1, world * b * k * one.block_size
-    row.sent = sent(one, peaks(one, world, steps, bs), world, b, k)
+    row.sent = sent(one, at_b, world, b, k)
     tflops = gpu.tflops or ({p: peak_flops / 1e12 for p in PRECISIONS} if peak_flops else None)
     if tflops:
-        fp8 = counted(one, "fp8_flops")
+        fp8 = per_micro_step(at_b, "fp8_flops")
         rest = precision.decide(one).name if precision.decide(one).fp8 is None else "bf16"
         row.step_s = (fp8 / (tflops["fp8"] or 1) + (flops - fp8) / tflops[rest]) / 1e12 / mfu
 

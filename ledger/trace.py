@@ -183,7 +183,7 @@ def step(cfg, world=1, rank=0, micro_steps=1, planned=False):
     "named" (each parameter's elements, dimensions, module kind, whether row-parallel), "params" (P, tensors),
     "host" (bytes a GPU keeps in host memory: taken out where CUDA's rules apply). planned: the planner's
     trace: its timeline ("points") and FLOPs ("flops", flops.Counted), up to where the optimizer's step
-    begins (but FSDP's: whole, its FLOPs not counted). A learner's model that fails raises as it is."""
+    begins (but FSDP's, whole). A learner's model that fails raises as it is."""
     return _cached("step", cfg, world, rank, micro_steps, planned)
 
 
@@ -355,8 +355,7 @@ def _trace(cfg, world, rank, micro_steps, planned):
         batch = measure.random_batch(cfg, device)
         if not planned or cfg.shard == "fsdp":  # (the planner's stop before the step: Peaks sets the states)
             warm(model_, parts, batch)  # AdamW's states exist from here: the steady state
-        counting = planned and cfg.shard != "fsdp"  # (a sharding adds no FLOPs: the plan reads them unsharded)
-        with comm.Count() as count, flops.Counted() if counting else contextlib.nullcontext() as counted:
+        with comm.Count() as count, flops.Counted() if planned else contextlib.nullcontext() as counted:
             out = measure.measure(model_, parts, batch, device, micro_steps, timeline=marks if planned else None,
                                   until_step=planned and cfg.shard != "fsdp")
         if planned:  # the planner's: its timeline and figures (it keeps a trace for each of hundreds of configs)
@@ -367,8 +366,8 @@ def _trace(cfg, world, rank, micro_steps, planned):
         out["named"] = [(name, p.numel(), p.dim(), memory_ledger.module_kinds(owners[name])[""],
                          getattr(owners[name], "residual_projection", False)) for name, p in model_.named_parameters()]
         out["row_parallel"] = {path for path, m in model_.named_modules() if getattr(m, "residual_projection", False)}
-        out.update(calls=count.calls, flops=counted.total if counting else None,
-                   fp8_flops=counted.by_op.get("_scaled_mm", 0) if counting else None,
+        out.update(calls=count.calls, flops=counted.total if planned else None,
+                   fp8_flops=counted.by_op.get("_scaled_mm", 0) if planned else None,
                    sent=comm.volume(count.calls), gathered=comm.volume([c for c in count.calls if "gather" in c[0]])
                    // micro_steps, kinds=memory_ledger.module_kinds(model_),
                    params=(sum(p.numel() for p in params), len(params)), host=0)

@@ -53,5 +53,4 @@ def test_the_planners_timeline_holds_the_peak(argv):
     if cfg.shard == "fsdp" or whole["peak_phase"] != "step":
         assert highest == whole["peak"], f"the timeline's highest point {highest:,}, the peak {whole['peak']:,}"
     assert all(phase != "step" for (_, phase, _), *_ in planned["points"]) or cfg.shard == "fsdp"
-    assert (planned["flops"] is None) == (cfg.shard == "fsdp"), "FLOPs are counted unsharded only (a sharding adds none)"
-    assert (planned["flops"] or 1) > 0 and planned["peak"] <= whole["peak"]
+    assert planned["flops"] > 0 and planned["peak"] <= whole["peak"]

@@ -93,6 +93,16 @@ def test_planned_micro_batch_fits_and_the_next_does_not_as_measured(precision, c
         f"measured {over:,}; budget {budget:,}"
 
 
+def test_fsdp_recompute_is_what_fsdp_runs():
+    """Under FSDP a unit's re-run does not stop early (checkpoint.rerun_stops_early): the plan's recompute share
+    is FSDP's own traced FLOPs, more than ZeRO's, which runs the unsharded step's."""
+    cfg = Config(**TINY, precision="bf16", ckpt="full")
+    budget = lp.Peaks(replace(cfg, shard="fsdp"), 2, 2).at(3)[0] * 4
+    fsdp_row, zero_row = (plan_row(replace(cfg, shard=shard), 2, budget) for shard in ("fsdp", "zero1"))
+    assert fsdp_row.recompute > zero_row.recompute > 0, \
+        f"full recompute: FSDP's {fsdp_row.recompute:+.1%} of the model's FLOPs, ZeRO-1's {zero_row.recompute:+.1%}"
+
+
 def test_the_loss_goes_in_pieces_where_it_does_not_fit_whole():
     """A vocabulary whose logits outweigh the rest: whole, b=1 does not fit; in 4 pieces it does, measured."""
     cfg = Config(**{**TINY, "vocab_size": 8192}, precision="bf16", ckpt="none")
