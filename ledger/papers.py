@@ -1,12 +1,9 @@
 """The published figures beside ours: Korthikanti et al. 2022 and the ZeRO paper, reproduced.
 
-Chapter section 4 (the whole picture, tied to the literature the chapter builds on). Read
-memory_ledger.py first (our terms), then ledger/parallel.py (TP, ZeRO); this file sets the sources'
-formulas, on the sources' own shapes, beside our step traced at that shape (ledger/trace.py: model.py
-on fake tensors, with a GPU's kernel rules), and names what differs: the tensors the formula does not
-count as they are (memory_ledger.as_counted). `make ledger` prints the table.
-
-The sources' figures are computed from the sources' formulas, never typed in:
+Chapter section 4, tied to the literature it builds on. Read memory_ledger.py first (our terms), then
+ledger/parallel.py (TP, ZeRO). The sources' formulas on their own shapes, beside our step traced at that
+shape, naming the tensors a formula does not count as they are (memory_ledger.as_counted); the sources'
+figures computed from their formulas, never typed in:
   Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
     eq. 1, activations per layer, 16-bit, 1-byte dropout masks: sbh(34 + 5as/h); Table 2,
     the same with tensor parallelism t, sequence parallelism and recomputation.

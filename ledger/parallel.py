@@ -1,12 +1,10 @@
 """The whole picture: what splitting across GPUs does to the four components (big shapes: make plan).
 
 Chapter section 4 ("Splitting: ZeRO/FSDP split states, TP splits weights, PP splits layers, SP/CP
-split activations; offload"). Read memory_ledger.py first (the components, and which term each saved
-tensor is), then `tp_components` and `pp_stages`. ZeRO and FSDP over N ranks are traced (ledger/trace.py,
-a fake process group: rank 0's figures); this project runs none of TP, PP, CP and offload, so their rows
-are the papers' rules applied tensor by tensor to this config's traced step: which tensor a byte is, the
-module that saved it, and whether model.py's Linear writes into the residual stream (`residual_projection`:
-row-parallel under TP, Megatron's), never a second description of the model.
+split activations; offload"). Read memory_ledger.py first, then `tp_components` and `pp_stages`. ZeRO
+and FSDP over N ranks are traced (rank 0); TP, PP, CP and offload, which this project does not run, are
+the papers' rules applied tensor by tensor to this config's traced step: which term a tensor is, the
+module that saved it, whether model.py's Linear writes into the residual stream (`residual_projection`).
 """
 from dataclasses import replace
 
@@ -44,14 +42,6 @@ def _split(saved, term, traced, t, sp):
         or (term == "linears" and any(m in traced["row_parallel"] for m in saved.modules)) \
         or (term == "head" and any(node == "LogSoftmaxBackward0" for node, *_ in saved.inputs))
     return saved.nbytes // t if sp or inside else saved.nbytes
-
-
-def tp_block_bytes(cfg, t, sp, block="h.0."):
-    """One block's saved bytes per GPU under TP t (and SP): `_split` of each tensor it saved."""
-    traced = trace.step(cfg)
-    terms, _ = ml.account(traced["saved_tensors"], traced["kinds"])
-    return sum(_split(s, term, traced, t, sp) for term, tensors in terms.items() for s in tensors
-               if s.modules and s.modules[0].startswith(block))
 
 
 def tp_components(cfg, t, sp):

@@ -1,18 +1,11 @@
 """The ledger's exact column: the real training step, run on fake tensors and counted.
 
-Chapter section 4. Read memory_ledger.py first (the formulas, and which of their terms each saved
-tensor is), then `step`. build.build makes the run as train.py does (model.py as it is, the real
-recompute, optimizer and sharding) under PyTorch's FakeTensorMode, whose tensors have shapes, dtypes
-and devices but no data, so no memory; ledger/measure.py counts that step as it counts a real one:
-every component, each saved tensor with the op and module that saved it, the bytes alive op by op,
-and flops.Counted its FLOPs. Over N ranks, PyTorch's fake process group (each collective returns at
-once) stands in for the others, one rank traced at a time; ledger/comm.py counts the collectives.
-
-What has no value on a fake tensor, the chapter's code states where it reads one (precision.host_value:
-a finite gradient norm). DDP's reducer is C++ that reads its buckets' data: its model is traced
-unwrapped, its buckets and all-reduce stated (`DDP`). A GPU's step traced where torch has no CUDA
-(a CPU build cannot make fake CUDA tensors) runs the GPU's kernels' memory rules instead of the
-CPU's: `CUDA`, each rule with its source, unverified until `make gpu-check` runs them on a GPU.
+Chapter section 4. Read memory_ledger.py first, then `step`: build.build's run of model.py (the real
+recompute, optimizer and sharding) under PyTorch's FakeTensorMode (shapes, dtypes, devices, no data),
+counted by ledger/measure.py as a real step is; over N ranks PyTorch's fake process group stands in for
+the others. What has no value on a fake tensor the chapter's code states where it reads one
+(precision.host_value). DDP's reducer (C++) is stated (`DDP`); where torch has no CUDA, a GPU's step
+runs the GPU kernels' memory rules (`CUDA`), unverified until `make gpu-check`. More: docs/ledger.md.
 """
 import contextlib
 import dataclasses
@@ -272,9 +265,8 @@ def _traced_or_none(request):
 
 
 def warm(model_, parts, batch):
-    """One step before the counted one, so that AdamW's states exist: AdamW's alone on the master weights
-    (nothing else of a step leaves state behind), but under FSDP, whose first forward makes its own (the
-    whole step then, where a step is counted after)."""
+    """AdamW's states made before the counted step, by its step alone (nothing else of a step leaves state
+    behind), but under FSDP, whose first forward makes its own: a whole step there, where one is counted."""
     if isinstance(model_, fsdp.FSDPModule) and batch is not None:  # FSDP's model (fsdp.apply_fsdp), a step to count
         accumulate.accumulation_step(model_, parts, [batch])
         return
@@ -292,12 +284,10 @@ def optimizer_config(cfg):
 
 
 def _optimizer_step(cfg, world, rank):
-    """Rank `rank`'s optimizer step alone, traced at cfg's full depth (ZeRO's slices make each depth's
-    unlike): the run built on fake tensors, its gradients made as backward leaves them (a .grad like each
-    parameter; with FP32 sums, those), one step (AdamW's states appear), then the next counted. Returns
-    dict(held: its states, FP32 sums; buffers; start: the bytes alive as the optimizer begins; points: the
-    step's timeline; calls: its collectives; parameters: their bytes). Asked for as ("optimizer step", ...)."""
-    device = torch.device("cuda" if cfg.device == "cuda" and not emulated(cfg) else "cpu")
+    """Rank `rank`'s optimizer step alone at cfg's full depth (ZeRO's slices make each depth's unlike), its
+    gradients made as backward leaves them, counted after a first (AdamW's states appear). Returns dict(held:
+    states and FP32 sums; buffers; start: the bytes alive as it begins; points; calls; parameters: bytes)."""
+    device = _device(cfg)
     with fake_ranks(world, rank), fake_tensors(), cuda_rules(emulated(cfg)):
         model_, parts = build.build(cfg, device)
         opt = parts.optimizer
@@ -348,8 +338,13 @@ def _counts(tensors, device):
     return sum(sizes.values()), len(sizes), sum(n > measure.SMALL_SIZE for n in sizes.values())
 
 
+def _device(cfg):
+    """Where cfg's step is traced: a GPU's on CPU tensors where CUDA's rules stand in (emulated)."""
+    return torch.device("cuda" if cfg.device == "cuda" and not emulated(cfg) else "cpu")
+
+
 def _trace(cfg, world, rank, micro_steps, planned):
-    device = torch.device("cuda" if cfg.device == "cuda" and not emulated(cfg) else "cpu")
+    device = _device(cfg)
     with fake_ranks(world, rank), fake_tensors(), cuda_rules(emulated(cfg)):
         model_, parts = build.build(cfg, device)
         batch = measure.random_batch(cfg, device)
@@ -406,10 +401,9 @@ class _Described(measure.LiveTensors):
 
 def loss_at_most(cfg, fake=True, device=None):
     """(bytes, [(dtype, shape, bytes)] alive then) of model.GPT.head_and_loss at its most beyond its inputs,
-    forward and backward, run alone on `device` (None: where cfg's step is traced), on fake tensors or
-    (fake=False) real ones, measured: what memory_ledger.loss_temporaries_closed states."""
+    run alone on `device` (None: where cfg's step is traced), fake or real: memory_ledger.loss_temporaries_closed."""
     prec = precision.decide(cfg)
-    device = torch.device(device or ("cuda" if cfg.device == "cuda" and not emulated(cfg) else "cpu"))
+    device = torch.device(device or _device(cfg))
     with fake_tensors() if fake else contextlib.nullcontext(), cuda_rules(fake and emulated(cfg)), device:
         # one block is built, none runs: the head and the loss alone
         gpt = model.GPT(dataclasses.replace(cfg, n_layer=1), prec.linear_factory()).to(prec.param_dtype)

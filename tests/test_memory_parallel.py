@@ -75,7 +75,7 @@ def test_tp_splits_what_the_parallel_regions_make(shape, policy):
     assert sp4["activations"] < t4["activations"] < one["activations"] == traced, \
         f"activations: TP+SP t=4 {sp4['activations']:,}, TP t=4 {t4['activations']:,}, t=1 " \
         f"{one['activations']:,}, the trace {traced:,}"
-    norms = mp.tp_block_bytes(cfg, 4, sp=False) - mp.tp_block_bytes(cfg, 4, sp=True)
+    norms = papers.layer(cfg, 4, sp=False)[0] - papers.layer(cfg, 4, sp=True)[0]  # (block 0's, per GPU)
     assert norms > 0, "TP without SP keeps something whole that SP splits (the norms' inputs)"
 
 
