@@ -1,22 +1,19 @@
 """The memory ledger: where every byte of a training step goes, in the chapter's formulas.
 
-Chapter section 4 ("The whole picture"): the four memory components (parameters, gradients,
-optimizer states, activations) under the techniques of sections 1-3. Read first: the closed forms
-just below (16 bytes per parameter, sbh(34 + 5as/h) per layer, 2sbh under full recompute, L/k + k
-under sqrt, ZeRO's bytes per rank), then `term_of` (which term of the formula a saved tensor is,
-told by the op that saved it and the module it ran in), then `account` and `differences`.
+Chapter section 4 ("The whole picture"): parameters, gradients, optimizer states and activations under the
+techniques of sections 1-3. Read first: the closed forms just below, then `term_of` (which term of the
+formula a saved tensor is, told by the op that saved it and the module it ran in), then `account` and
+`differences`. The bytes are counted elsewhere: ledger/trace.py runs the real step (build.py's run of
+model.py) on fake tensors and ledger/measure.py counts it as it counts a real one. This file says what each
+byte is and where the formula and the step part ways, so a learner's edit to model.py needs nothing here.
 
-The exact bytes are not computed here. ledger/trace.py runs the real step (build.py's run of
-model.py as it is) on fake tensors and ledger/measure.py counts it as it counts a real step; this
-file says what each counted byte is and where the chapter's formula and the step part ways. A
-learner's edit to model.py needs nothing here: its tensors are counted and named.
-
-Letters: b micro-batch, s context, h width, a heads, L layers, V vocabulary, P parameters, e bytes
-per element (4 fp32, 2 bf16/fp16/fp8). "activations": what autograd holds for backward once the
-forward has finished; "peak": the most bytes alive in a steady-state step. More: docs/ledger.md.
+Letters: b micro-batch, s context, h width, a heads, L layers, V vocabulary, P parameters, e bytes per
+element (4 fp32, 2 bf16/fp16/fp8). "activations": what autograd holds for backward once the forward has
+finished; "peak": the most bytes alive in a steady-state step. More: docs/ledger.md.
 """
 import math
 import re
+from collections import Counter
 
 import torch.nn as nn
 
@@ -31,12 +28,12 @@ COMPONENTS = ("parameters", "buffers", "gradients", "master", "optimizer", "fp8_
 # ---------------------------------------------------------------- the chapter's closed forms, first
 
 def bytes_per_param_closed(precision_name, moments=2):
-    """(parameters, gradients, master, optimizer) bytes per parameter, with an optimizer keeping `moments`
-    FP32 values per parameter (AdamW: m and v). FP32: 4 + 4 + 0 + 8; mixed precision: 2 + 2 + 4 + 8, the
-    ZeRO paper's 2 + 2 + K with K = 12. Both are 16: mixed precision shrinks activations and time, not states."""
+    """(parameters, gradients, master, optimizer) bytes per parameter, the optimizer keeping `moments` FP32
+    values each (AdamW: m and v). FP32: 4 + 4 + 0 + 8; mixed precision: 2 + 2 + 4 + 8, the ZeRO paper's
+    2 + 2 + K with K = 12. Both are 16: mixed precision shrinks activations and time, not states."""
     if precision_name == "fp32":
         return 4, 4, 0, 4 * moments  # the parameters are the master copy
-    return 2, 2, 4, 4 * moments  # 16-bit parameters and gradients; the FP32 master copy; FP32 moments
+    return 2, 2, 4, 4 * moments
 
 
 def params_closed(L, h, V, s, bias=True):
@@ -45,11 +42,21 @@ def params_closed(L, h, V, s, bias=True):
     return L * (12 * h * h + (13 if bias else 2) * h) + V * h + s * h + (2 if bias else 1) * h
 
 
+TERMS = {  # the formula's terms, per layer at e = 2 (the units' and the head's per model)
+    "norms": "norms' inputs: 4sbh, + ln_f's 2sbh",
+    "linears": "Linears' inputs: 2sbh + 2sbh + 2sbh + 8sbh",
+    "qkv": "q, k and v: 6sbh",
+    "softmax": "softmax output: 2as^2b, + its dropped copy 2as^2b",
+    "masks": "dropout masks, 1 byte: as^2b + 2sbh",
+    "activation": "the activation's input: 8sbh",
+    "units": "recompute units' inputs: 2sbh each",
+    "head": "the head's input 2sbh and FP32 log-softmax 4bsV (none in pieces)",
+}
+
+
 def layer_terms_closed(s, b, h, a, e=2, dropout=True, sdpa=False):
-    """{term: bytes} one transformer layer keeps for backward (Korthikanti et al. 2022, sec. 4.1): the
-    norms' inputs 4sbh, the Linears' inputs 2sbh + 2sbh + 2sbh + 8sbh, q, k and v 6sbh, the softmax output
-    2as^2b and, with dropout, its dropped copy 2as^2b, the 1-byte masks as^2b + 2sbh, the GELU's input 8sbh
-    (bytes at e = 2). A fused attention kernel (sdpa) keeps no s x s tensor."""
+    """{term of TERMS: bytes} one transformer layer keeps for backward (Korthikanti et al. 2022, sec. 4.1).
+    A fused attention kernel (sdpa) keeps no s x s tensor."""
     sbh, as2b = s * b * h, a * s * s * b
     return {"norms": 2 * e * sbh, "linears": 7 * e * sbh, "qkv": 3 * e * sbh,
             "softmax": 0 if sdpa else e * as2b * (1 + dropout),
@@ -63,34 +70,16 @@ def layer_activations_closed(s, b, h, a, e=2, dropout=True, sdpa=False):
 
 
 def head_activations_closed(s, b, h, V, e=2, chunks=1):
-    """Bytes the head keeps: its input (2sbh) and the FP32 log-softmax of the logits (4bsV), which the
-    loss's backward needs. Not in the paper's per-layer formula; at a real vocabulary it is the largest.
-    The loss in pieces (LOSS_CHUNKS > 1, model.ChunkedLoss) keeps the input only: backward re-runs the logits."""
+    """Bytes the head keeps: its input (2sbh) and the FP32 log-softmax of the logits (4bsV) for the loss's
+    backward; in pieces (LOSS_CHUNKS > 1, model.ChunkedLoss) the input only: backward re-runs the logits."""
     return e * s * b * h + (4 * b * s * V if chunks == 1 else 0)
 
 
 def loss_temporaries_closed(s, b, V, chunks=1):
-    """Bytes the loss holds at its most, in backward: three FP32 tensors of the logits' size, 4bsV each (the
-    log-softmax, its gradient from the NLL, the logits' gradient); under LOSS_CHUNKS a piece's, bs/k rows.
-    Not in the paper's formulas; at GPT-2's vocabulary it is most of a step's peak."""
+    """Bytes the loss holds at its most, in backward: three FP32 tensors of the logits' size (the log-softmax,
+    its gradient from the NLL, the logits' gradient), 4bsV each; under LOSS_CHUNKS a piece's, bs/k rows.
+    In no paper's formula, yet at GPT-2's vocabulary most of a step's peak."""
     return 3 * 4 * math.ceil(b * s / chunks) * V
-
-
-def loss_differences(cfg, alive):
-    """[line] naming what the loss holds at its most beyond the formula's three FP32 logits-sized tensors:
-    `alive` is [(dtype, shape, bytes)] of each storage then (ledger/trace.loss_at_most), told once per kind."""
-    rows = cfg.batch_size * cfg.block_size
-    left, told, piece = 3, {}, {rows // cfg.loss_chunks, math.ceil(rows / cfg.loss_chunks)}  # tensor_split's sizes
-    for dtype, shape, nbytes in alive:
-        if left and dtype == "float32" and shape and shape[-1] == cfg.vocab_size and math.prod(shape[:-1]) in piece:
-            left -= 1  # one of the formula's
-            continue
-        key = f"{dtype} {shape}, {nbytes:,} bytes"
-        told[key] = told.get(key, 0) + 1
-    rows = math.ceil(rows / cfg.loss_chunks)  # the loss at its most may come after the pieces (the weight's sum)
-    missing = [f"not alive then, of the formula's: float32 ({rows}, {cfg.vocab_size}), {4 * rows * cfg.vocab_size:,} "
-               f"bytes" + (f" (x{left})" if left > 1 else "")] if left else []
-    return [key + (f" (x{n})" if n > 1 else "") for key, n in told.items()] + missing
 
 
 def full_recompute_layer_closed(s, b, h, e=2):
@@ -111,20 +100,6 @@ def zero_bytes_per_rank(n_params, ranks, stage, precision_name="bf16"):
     params, grads, master, adamw = (n * n_params for n in bytes_per_param_closed(precision_name))
     split = [master + adamw, grads, params][:stage]
     return params + grads + master + adamw - sum(split) + sum(split) / ranks
-
-
-# ---------------------------------------------------------------- the formula's terms for a whole model
-
-TERMS = {  # name: what the formula counts (per layer, at e = 2; the head's and the units' per model)
-    "norms": "norms' inputs: 4sbh, + ln_f's 2sbh",
-    "linears": "Linears' inputs: 2sbh + 2sbh + 2sbh + 8sbh",
-    "qkv": "q, k and v: 6sbh",
-    "softmax": "softmax output: 2as^2b, + its dropped copy 2as^2b",
-    "masks": "dropout masks, 1 byte: as^2b + 2sbh",
-    "activation": "the activation's input: 8sbh",
-    "units": "recompute units' inputs: 2sbh each",
-    "head": "the head's input 2sbh and FP32 log-softmax 4bsV (none in pieces)",
-}
 
 
 def closed_terms(cfg):
@@ -170,8 +145,8 @@ def module_kinds(model):
 
 def term_of(saved, kinds, activation_modules=()):
     """The term of TERMS that a saved tensor (ledger/measure.SavedTensor) is, or None: told by the ops
-    that saved it (grad_fn and which of its inputs) and the module it was saved in (its first),
-    never by its size. activation_modules: the modules where an activation (GELU, SiLU, ...) saved."""
+    that saved it (grad_fn and which of its inputs) and the module it was saved in (its first), never by
+    its size. activation_modules: the modules where an activation (GELU, SiLU, ...) saved."""
     where = saved.modules[0] if saved.modules else ""
     kind, block = kinds.get(where, "module"), where.startswith("h.")
     ops, pairs = {node for node, *_ in saved.inputs}, {(node, which) for node, which, _ in saved.inputs}
@@ -224,22 +199,25 @@ def as_counted(term, saved, dtype):
     return saved.dtype == dtype and (term not in COUNTED or bool(pairs & COUNTED[term]))
 
 
+def _once_each(lines):
+    """The lines, each once in first-seen order, " (xN)" after one seen N times."""
+    return [line + (f" (x{n})" if n > 1 else "") for line, n in Counter(lines).items()]
+
+
 def in_words(tensors):
     """The tensors, told once per kind: the module (h.* for every block), the op and which of its inputs
     saved it, dtype, shape, bytes, how many."""
-    told = {}
-    for s in tensors:
+    def words(s):
         where = re.sub(r"^h\.\d+", "h.*", s.modules[0]) if s.modules and s.modules[0] else "GPT.forward"
         ops = ", ".join(f"{node} {which}" for node, which, _ in s.inputs) or "no node found"
-        key = f"{where} ({ops}): {s.dtype} {tuple(s.shape)}, {s.nbytes:,} bytes"
-        told[key] = told.get(key, 0) + 1
-    return [text + (f" (x{n})" if n > 1 else "") for text, n in told.items()]
+        return f"{where} ({ops}): {s.dtype} {tuple(s.shape)}, {s.nbytes:,} bytes"
+    return _once_each(words(s) for s in tensors)
 
 
 def differences(cfg, terms, unmatched):
     """[(term, closed form, traced bytes, [lines in words])] for each term the step keeps otherwise than the
-    formula says: what it keeps that the formula leaves out or counts otherwise (its op, dtype, shape), and
-    where what it keeps as the formula does adds up otherwise, those too; then what no term explains."""
+    formula says: what it keeps that the formula leaves out or counts otherwise, and where what it keeps as
+    the formula does adds up otherwise, those too; then what no term explains."""
     closed, rows = closed_terms(cfg), []
     dtype = str(precision.decide(cfg).param_dtype).removeprefix("torch.")
     for term, tensors in terms.items():
@@ -261,13 +239,30 @@ def differences(cfg, terms, unmatched):
     return rows
 
 
+def loss_differences(cfg, alive):
+    """[line] naming what the loss holds at its most beyond loss_temporaries_closed's three FP32 tensors:
+    `alive` is [(dtype, shape, bytes)] of each storage then (ledger/trace.loss_at_most)."""
+    rows = cfg.batch_size * cfg.block_size
+    piece = {rows // cfg.loss_chunks, math.ceil(rows / cfg.loss_chunks)}  # tensor_split's sizes
+    left, others = 3, []
+    for dtype, shape, nbytes in alive:
+        if left and dtype == "float32" and shape and shape[-1] == cfg.vocab_size and math.prod(shape[:-1]) in piece:
+            left -= 1  # one of the formula's
+        else:
+            others.append(f"{dtype} {shape}, {nbytes:,} bytes")
+    rows = math.ceil(rows / cfg.loss_chunks)  # the loss at its most may come after the pieces (the weight's sum)
+    missing = (f"not alive then, of the formula's: float32 ({rows}, {cfg.vocab_size}), "
+               f"{4 * rows * cfg.vocab_size:,} bytes")
+    return _once_each(others + [missing] * left)
+
+
 # ---------------------------------------------------------------- the states, and the four components
 
 def state_differences(cfg, n_params, n_tensors, states):
-    """[(why, bytes)] between the closed form's 16 bytes per parameter (bytes_per_param_closed) and the
-    step's states (parameters + gradients + master + optimizer, bytes), each named; what no rule names last."""
-    spec = precision.OPTIMIZERS[cfg.optimizer]
-    prec = precision.decide(cfg)
+    """(closed, [(why, bytes)]): the closed form's states (16 bytes per parameter, bytes_per_param_closed) and
+    what the step's `states` (parameters + gradients + master + optimizer) keep beyond them, each named;
+    what no rule names last."""
+    spec, prec = precision.OPTIMIZERS[cfg.optimizer], precision.decide(cfg)
     closed = sum(bytes_per_param_closed(prec.name, len(spec.per_element))) * n_params
     named = [(f"{spec.name}'s per-tensor counts ({', '.join(spec.per_tensor)}): FP32, kept on the CPU",
               4 * len(spec.per_tensor) * n_tensors * (cfg.device != "cuda")),

@@ -1,16 +1,13 @@
 """Collectives counted: how many, which, and the bytes they move (chapter section 4's claim).
 
-Serves zero.py and fsdp.py. Read zero.py first, then `Count`: it wraps torch.distributed's collectives
-while it is open (our ZeRO's calls, FSDP2's), and `Count.ddp_hook` counts DDP's all-reduces,
-which its C++ reducer issues without going through Python unless a communication hook
-sends each bucket. Nothing here changes what is sent.
+Serves zero.py and fsdp.py. Read zero.py first, then `Count`: it wraps torch.distributed's collectives while
+it is open (our ZeRO's calls, FSDP2's); `Count.ddp_hook` routes DDP's all-reduces, which its C++ reducer
+issues without going through Python, through them. Nothing here changes what is sent.
 
-Volume is counted in the ZeRO paper's terms (Rajbhandari et al. 2020, sec. 7): a reduce-scatter
-or an all-gather of a tensor of M bytes (the whole tensor, all ranks' slices together) moves M,
-an all-reduce moves 2M (it is a reduce-scatter and an all-gather). So DDP moves 2 x the gradient
-bytes per step, ZeRO-1 and ZeRO-2 the same (a reduce-scatter and an all-gather), FSDP 3x
-(an all-gather in forward, another in backward, a reduce-scatter). In a ring each rank sends
-(N - 1)/N of that volume: `sent_per_rank`.
+Volume is counted in the ZeRO paper's terms (Rajbhandari et al. 2020, sec. 7): a reduce-scatter or an
+all-gather of a tensor of M bytes (all ranks' slices together) moves M, an all-reduce 2M (a reduce-scatter
+and an all-gather). So DDP moves 2x the gradient bytes per step, ZeRO-1 and ZeRO-2 the same, FSDP 3x (an
+all-gather in forward, another in backward, a reduce-scatter).
 """
 import functools
 from collections import Counter
@@ -25,29 +22,21 @@ WHOLE = {"all_reduce": (0, "tensor"), "reduce_scatter_tensor": (1, "input"), "re
          "all_gather_into_tensor": (0, "output_tensor"), "all_gather_single": (0, "output_tensor")}
 
 
-def _nbytes(t):
-    return t.numel() * t.element_size()
-
-
 class Count:
-    """with Count() as c: ... ; c.calls is [(collective, whole tensor bytes, its elements)] in the
-    order they ran."""
+    """with Count() as c: ... ; c.calls is [(collective, whole tensor bytes, its elements)] in the order they ran."""
 
     def __init__(self):
         self.calls = []
-        self._saved = {}
 
     def __enter__(self):
-        for name in FACTOR:
-            if hasattr(dist, name):
-                self._saved[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(name, self._saved[name]))
+        self._saved = {name: getattr(dist, name) for name in FACTOR if hasattr(dist, name)}
+        for name, fn in self._saved.items():
+            setattr(dist, name, self._wrap(name, fn))
         return self
 
     def __exit__(self, *exc):
         for name, fn in self._saved.items():
             setattr(dist, name, fn)
-        self._saved.clear()
 
     def _wrap(self, name, fn):
         position, keyword = WHOLE[name]
@@ -55,26 +44,16 @@ class Count:
         @functools.wraps(fn)
         def counted(*args, **kwargs):
             whole = kwargs.get(keyword, args[position] if len(args) > position else None)
-            self.calls.append((name, _nbytes(whole), whole.numel()))
+            self.calls.append((name, whole.numel() * whole.element_size(), whole.numel()))
             return fn(*args, **kwargs)
         return counted
 
     @staticmethod
     def ddp_hook(ddp):
-        """Route DDP's all-reduces (one per bucket) through torch.distributed.all_reduce, where a
-        Count sees them: PyTorch's default hook, the same division by N and the same sum."""
+        """Route DDP's all-reduces (one per bucket) through torch.distributed.all_reduce, where a Count sees
+        them: PyTorch's default hook, the same division by N and the same sum."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         ddp.register_comm_hook(None, allreduce_hook)
-
-    def mark(self):
-        """How many calls so far (to cut the list into phases)."""
-        return len(self.calls)
-
-    def kinds(self, start=0, end=None):
-        return kinds(self.calls[start:end])
-
-    def volume(self, start=0, end=None):
-        return volume(self.calls[start:end])
 
 
 def kinds(calls):
@@ -90,8 +69,3 @@ def volume(calls):
 def elements(calls):
     """The same in elements, whatever their dtype: the paper counts Psi, parameters."""
     return sum(FACTOR[name] * numel for name, _, numel in calls)
-
-
-def sent_per_rank(volume, world):
-    """What each rank of a ring sends for `volume`: (N - 1)/N of it."""
-    return volume * (world - 1) // world

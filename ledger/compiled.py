@@ -1,66 +1,71 @@
 """The ledger under COMPILE=1: what torch.compile's blocks save and the step's peak, measured.
 
-Chapter section 4, with the blocks compiled (build.compile_blocks). Read ledger/measure.py
-first (SavedBytes, ModulePath, LiveTensors), then `measure`.
+Chapter section 4, with the blocks compiled (build.compile_blocks). Read ledger/measure.py first, then
+`measure` here: measure.measure's step, counted again by the trackers below.
 
-Why measure.measure alone will not do: its op-by-op tracker (LiveTensors) is a
-TorchDispatchMode, and torch.compile runs every frame eagerly while such a mode is active
-(torch/_dynamo/convert_frame.py: "non-infra torch dispatch mode present"), so it would count
-the eager step and call it compiled. Here nothing of that kind is active: the saved tensors are
-read by saved-tensor hooks, which fire at the compiled region's boundary (each block's
-CompiledFunction saves what its partitioner chose), and the step's peak by the CPU allocator's
-own allocation events (torch.profiler, profile_memory), which see the buffers a compiled kernel
-allocates; on CUDA the caching allocator's counters, as always. The states (parameters,
-gradients, master, AdamW) are measure.measure's: compiling a block does not change them.
+Why not LiveTensors: it is a TorchDispatchMode, and while one is active torch.compile runs every frame
+eagerly (torch/_dynamo/convert_frame.py: "non-infra torch dispatch mode present"): it would count the eager
+step. Here none is active: saved-tensor hooks read what each block's CompiledFunction saves (they fire at
+the compiled region's boundary), BlockPath names its block from outside the compiled code, and the CPU
+allocator's own events (torch.profiler, profile_memory: Allocations) give the peak, a compiled kernel's
+buffers included; on CUDA the caching allocator's counters. The states are the eager step's: compiling a
+block does not change them.
 """
+import functools
+import math
 import os
 from contextlib import contextmanager
 
 import torch
 
-import accumulate
 from ledger import measure as eager
 
 PHASE = "ledger phase: "  # the profiler's marker events that say where a phase begins
 
 
 class BlockPath(eager.ModulePath):
-    """ModulePath for a model whose blocks are compiled: a hook inside a compiled block is traced
-    into its graph (and adding one recompiles it), so each block is named from outside its compiled
-    code, around its compiled call; the modules outside the blocks get ModulePath's own hooks."""
+    """ModulePath for a model whose blocks are compiled: a hook inside a compiled block is traced into its
+    graph (and adding one recompiles it), so each block is named around its compiled call instead."""
 
     def __init__(self, model):
         super().__init__(model, skip=lambda name: name == "h" or name.startswith("h."))
         self.blocks = list(model.h)
-        for i, block in enumerate(self.blocks):
-            compiled = block._compiled_call_impl  # what nn.Module.compile() put there (None: not compiled)
+        self.compiled = [block._compiled_call_impl for block in self.blocks]  # what nn.Module.compile() put there
+        for i, (block, compiled) in enumerate(zip(self.blocks, self.compiled)):
             if compiled is None:
                 raise ValueError(f"block {i} is not compiled (build.compile_blocks): ledger.measure measures it")
-            block._compiled_call_impl = self._named(f"h.{i}", compiled)
+            block._compiled_call_impl = functools.partial(self._named, f"h.{i}", compiled)
 
-    def _named(self, name, compiled):
-        def call(*args, **kwargs):
-            self.stack.append(name)
-            try:
-                return compiled(*args, **kwargs)
-            finally:
-                self.stack.pop()
-        call.compiled = compiled
-        return call
+    def _named(self, name, compiled, *args, **kwargs):
+        self.stack.append(name)
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            self.stack.pop()
 
     def remove(self):
         super().remove()
-        for block in self.blocks:
-            block._compiled_call_impl = block._compiled_call_impl.compiled
+        for block, compiled in zip(self.blocks, self.compiled):
+            block._compiled_call_impl = compiled
 
 
 class Allocations:
     """The step's peak from the CPU allocator's own events (torch.profiler with profile_memory: every
-    allocation and free, the compiled kernels' buffers too), over the bytes adopted at the start;
-    `mark(phase)` says where a phase begins, so the peak's phase is known. On CUDA: measure.CudaAllocator."""
+    allocation and free, compiled kernels' buffers too) over the bytes adopted, and the phase it fell in:
+    measure.measure's tracker for a compiled step on CPU. The live bytes are known only once the profile
+    is read, at the end: `read` says nan."""
 
-    def __init__(self, base_bytes):
+    def __init__(self, base_bytes=0):
         self.base, self.peak, self.peak_phase = base_bytes, base_bytes, "start"
+
+    def adopt(self, tensors):
+        self.base = self.peak = self.base + eager.storage_bytes(tensors, "cpu")
+
+    def read(self):
+        return math.nan
+
+    def reset_peak(self):  # the peak is found in the events, over `base`
+        pass
 
     def __enter__(self):
         self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
@@ -69,8 +74,8 @@ class Allocations:
         return self
 
     @staticmethod
-    def mark(phase):
-        with torch.profiler.record_function(PHASE + phase):
+    def start_phase(name):
+        with torch.profiler.record_function(PHASE + name):
             pass
 
     def __exit__(self, *exc):
@@ -106,50 +111,21 @@ def quiet():
 
 
 def measure(model, parts, batch, device):
-    """measure.measure's dict for a compiled model: the states from it (exact, compile does not change
-    them), then one more step with no dispatch mode active for what compile does change: activations
-    and saved_tensors (each attributed to its block, by BlockPath), and the step's peak and its phase.
-    eager_activations and eager_peak keep what measure.measure counted, which is the eager step's."""
+    """measure.measure's dict for a compiled model: the states from an eager step (compile does not change
+    them), then activations, saved_tensors (each by its block: BlockPath), the peak and its phase from a
+    compiled one, counted with no dispatch mode active."""
     device = torch.device(device)
     with torch.compiler.set_stance("force_eager"):  # LiveTensors' mode would make it eager anyway, less cleanly
         out = eager.measure(model, parts, batch, device)
-    out["eager_activations"], out["eager_peak"] = out["activations"], out["peak"]
-    static = eager.resident(model, parts)
-    adopted = static + (parts.grad_buffers or []) + list(batch)
-    where = BlockPath(model)
-    saved, losses = eager.SavedBytes(static + list(batch), where=where), []
-    hook = model.register_forward_hook(lambda module, args, output: losses.append(output[1]))
-    cuda = device.type == "cuda"
-    tracker = eager.CudaAllocator(device) if cuda else Allocations(eager.storage_bytes(adopted, device))
-
-    def observe(name, weighted_loss=None):
-        if name == "backward":  # what the forward saved, before any recompute re-run
-            out["activations"] = saved.total
-            out["saved_tensors"] = dict(saved.found)
-            eager.saving_nodes(losses[-1], out["saved_tensors"])
-        if cuda:
-            tracker.start_phase(name)
-        else:
-            tracker.mark(name)
-
-    try:
-        with tracker, saved, eager.phases(model, parts, observe):
-            if cuda:
-                tracker.reset_peak()
-            accumulate.accumulation_step(model, parts, [batch])
-            if cuda:
-                tracker.read()  # the last phase's high-water mark, folded in
-    finally:
-        hook.remove()
-        where.remove()
-    out["peak"], out["peak_phase"] = tracker.peak, tracker.peak_phase
-    return out
+    tracker = eager.CudaAllocator(device) if device.type == "cuda" else Allocations()
+    compiled = eager.measure(model, parts, batch, device, tracker=tracker, module_path=BlockPath)
+    return out | {key: compiled[key] for key in ("activations", "saved_tensors", "peak", "peak_phase")}
 
 
 def block_bytes(saved_tensors, n_layer):
     """{block index or "outside": bytes} of the saved tensors, by the block that saved them."""
     out = {i: 0 for i in range(n_layer)} | {"outside": 0}
     for s in saved_tensors.values():
-        group = s.modules[0].split(".")[1] if s.modules and s.modules[0].startswith("h.") else "outside"
-        out[int(group) if group != "outside" else group] += s.nbytes
+        block = s.modules[0].split(".")[1] if s.modules and s.modules[0].startswith("h.") else None
+        out[int(block) if block else "outside"] += s.nbytes
     return out

@@ -7,7 +7,7 @@ counts a real step (`make ledger`'s measured column) and a fake one (ledger/trac
 On CUDA the live bytes are the caching allocator's own counters (CudaAllocator).
 """
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 
 import torch
@@ -35,30 +35,43 @@ def storage_ids(tensors):
 
 def storage_bytes(tensors, device=None, exclude=()):
     """Bytes of the distinct storages behind `tensors` (on `device`), skipping ids in `exclude`."""
-    seen = {}
-    for t in tensors:
-        if t is None or (device is not None and t.device.type != torch.device(device).type):
-            continue
-        if storage_key(t) not in exclude:
-            seen[storage_key(t)] = local(t).untyped_storage().nbytes()
-    return sum(seen.values())
+    kind = None if device is None else torch.device(device).type
+    sizes = {storage_key(t): local(t).untyped_storage().nbytes() for t in tensors
+             if t is not None and kind in (None, t.device.type) and storage_key(t) not in exclude}
+    return sum(sizes.values())
+
+
+@dataclass
+class SavedTensor:
+    """A storage autograd saved: its bytes, shape and dtype, the modules running then, what holds it."""
+    nbytes: int
+    shape: tuple
+    dtype: str
+    modules: tuple = ()
+    inputs: tuple = ()  # (node, which of its saved tensors, "softmax" if made from one): ("MmBackward0", "self", "")
+
+
+class _Held:
+    """A saved tensor as autograd holds it: one object per slot, whose death says the slot let go."""
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
 
 
 class SavedBytes:
-    """Count the bytes autograd saves for backward, by storage, while the context is open.
-
-    A storage counts once however many views of it are saved; `static` storages (parameters, buffers,
-    optimizer states) are not activations: a saved view of one (the causal-mask buffer's) costs nothing.
-    `total` adds a storage as it starts being held, `live` follows what saved-tensor slots still hold,
-    `peak` is the most `live` ever was. What a recompute unit's re-run files for its nodes (checkpoint.
-    Unit.pack_rerun: hooks of its own) counts too, until its node takes it (Unit.unpack)."""
+    """Count the bytes autograd saves for backward, by storage, while the context is open: a storage once
+    however many views of it are saved, none of the `static` ones (parameters, buffers, optimizer states: a
+    saved view of the causal mask costs nothing). `total` adds a storage as it starts being held, `live`
+    follows what saved-tensor slots still hold, `peak` is the most `live` was. A recompute unit's re-run
+    (checkpoint.Unit.pack_rerun) counts too, until its node takes what it kept (Unit.unpack)."""
 
     def __init__(self, static=(), where=None):
         self.static = storage_ids(static)
-        self.total = self.live = self.peak = 0
-        self._holders = {}  # storage key -> how many saved-tensor slots hold it
         self.where = where  # None, or a callable naming the module running now (ModulePath)
+        self.total = self.live = self.peak = 0
         self.found = {}  # storage key -> SavedTensor, for each storage counted in `total`
+        self._holders = {}  # storage key -> how many saved-tensor slots hold it
         self._units = {}  # (id of a checkpoint.Unit, slot) -> what _pack made of what it keeps there
 
     def _pack(self, t):
@@ -70,8 +83,8 @@ class SavedBytes:
             self.peak = max(self.peak, self.live)
             if key not in self.found:
                 self.found[key] = SavedTensor(nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-        if key in self.found and self.where and self.where() not in self.found[key].modules:
-            self.found[key].modules += (self.where(),)
+        if self.where and (module := self.where()) not in self.found[key].modules:
+            self.found[key].modules += (module,)
         self._holders[key] = self._holders.get(key, 0) + 1
         held = _Held(t)  # keeps the storage alive (so its key stays unique) until autograd drops it
         weakref.finalize(held, self._release, key, nbytes)
@@ -82,12 +95,9 @@ class SavedBytes:
         if self._holders[key] == 0:
             self.live -= nbytes
 
-    @staticmethod
-    def _unpack(held):
-        return held.t if isinstance(held, _Held) else held
-
     def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        unpack = lambda held: held.t if isinstance(held, _Held) else held  # noqa: E731
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
         self._hooks.__enter__()
         file, take, units = checkpoint.Unit.pack_rerun, checkpoint.Unit.unpack, self._units
 
@@ -106,16 +116,6 @@ class SavedBytes:
     def __exit__(self, *exc):
         checkpoint.Unit.pack_rerun, checkpoint.Unit.unpack = self._unit_methods
         self._hooks.__exit__(*exc)
-
-
-@dataclass
-class SavedTensor:
-    """A storage autograd saved: its bytes, shape and dtype, the modules running then, what holds it."""
-    nbytes: int
-    shape: tuple
-    dtype: str
-    modules: tuple = ()
-    inputs: tuple = ()  # (node, which of its saved tensors, "softmax" where made from one): ("AddmmBackward0", "mat1", "")
 
 
 class ModulePath:
@@ -140,11 +140,9 @@ _SAVED_ATTRS = {}  # autograd node class -> its `_saved_*` attributes
 
 
 def saving_nodes(loss, found):
-    """Fill in, for each storage in `found`, the nodes of loss's graph that hold it and which of their saved
-    tensors it is (a `_saved_*` attribute, or a custom Function's saved_tensors by index). A matmul's input
-    made from a softmax (the attention weights) is marked so: memory_ledger tells it from q and k. Returns
-    the host bytes of the RNG states the recompute units hold (checkpoint.Unit.rng: RerunNode's ctx is the
-    node, NaiveRecompute's keeps it itself)."""
+    """Fill in each SavedTensor.inputs of `found`: the nodes of loss's graph that hold its storage, which of
+    their saved tensors it is, and "softmax" for a matmul's input made from one (the attention weights: so
+    memory_ledger tells it from q and k). Returns the host bytes of the RNG states the recompute units hold."""
     names, seen, stack, rng_states = {}, set(), [loss.grad_fn], {}
     while stack:
         node = stack.pop()
@@ -159,18 +157,18 @@ def saving_nodes(loss, found):
                 value = getattr(node, attr)
             except RuntimeError:  # released already, or not a tensor torch will hand out
                 continue
-            held += [(attr[len("_saved_"):], v) for v in (value if isinstance(value, (list, tuple)) else [value])
-                     if torch.is_tensor(v)]
+            held += [(attr[len("_saved_"):], v) for v in (value if isinstance(value, (list, tuple)) else [value])]
         try:
-            held += [(str(i), t) for i, t in enumerate(getattr(node, "saved_tensors", ())) if torch.is_tensor(t)]
+            held += [(str(i), t) for i, t in enumerate(getattr(node, "saved_tensors", ()))]
         except RuntimeError:  # a node inside a recompute unit: it holds nothing until the re-run
             pass
+        # checkpoint.Unit.rng: RerunNode's ctx is the node, NaiveRecompute's keeps it itself
         rng = node.unit.rng if isinstance(node, checkpoint.RerunNode._backward_cls) else \
             node.rng if isinstance(node, checkpoint.NaiveRecompute._backward_cls) else {}
         rng_states.update({storage_key(t): t.untyped_storage().nbytes() for t in rng.values()})
         name = type(node).__name__
         for which, t in held:
-            if storage_key(t) in found:
+            if torch.is_tensor(t) and storage_key(t) in found:
                 index = {"self": 0, "mat2": 1}.get(which) if name == "BmmBackward0" else None
                 came = "softmax" if index is not None and _from_softmax(node.next_functions[index][0]) else ""
                 names.setdefault(storage_key(t), set()).add((name, which, came))
@@ -189,13 +187,6 @@ def _from_softmax(node, depth=8):
     if "mm" in name.lower() or "Linear" in name or "Rerun" in name:
         return False
     return any(_from_softmax(fn, depth - 1) for fn, _ in node.next_functions)
-
-
-class _Held:
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t):
-        self.t = t
 
 
 class LiveTensors(TorchDispatchMode):
@@ -288,9 +279,9 @@ class LiveTensors(TorchDispatchMode):
 
 
 class CudaAllocator:
-    """The same interface on CUDA: the caching allocator's counters, its peak statistics reset at each phase
-    (the tools run it in a process of their own). They count allocator blocks and kernels' scratch, not
-    storages: only this figure gets a slack (`allocator_bounds`); the components are storages on CUDA too."""
+    """LiveTensors' interface on CUDA: the caching allocator's counters, its peak statistics reset at each
+    phase (the tools run it in a process of their own). They count allocator blocks and kernels' scratch,
+    not storages: only this figure gets a slack (`allocator_bounds`); the components are storages here too."""
 
     def __init__(self, device):
         self.device, self.phase, self.peak_phase, self.peak = torch.device(device), "start", "start", 0
@@ -352,8 +343,7 @@ def random_batch(cfg, device, b=None):
     """A seeded (x, y) of random bytes, b sequences of cfg.block_size, each in a storage of its own
     (cloned: for one sequence .contiguous() would leave both views of one storage)."""
     g = torch.Generator().manual_seed(cfg.seed)
-    b = b or cfg.batch_size
-    xy = torch.randint(0, 256, (b, cfg.block_size + 1), generator=g)
+    xy = torch.randint(0, 256, (b or cfg.batch_size, cfg.block_size + 1), generator=g)
     return xy[:, :-1].clone().to(device), xy[:, 1:].clone().to(device)
 
 
@@ -382,27 +372,29 @@ class _Stop(Exception):  # measure(until_step=True): the optimizer's step begins
     pass
 
 
-def measure(model, parts, batch, device, micro_steps=1, timeline=None, until_step=False):
-    """Run one accumulation_step of (model, parts) on `batch` micro_steps times (the activations are the
-    first's) and count, once the optimizer's states exist (the steady state). Returns bytes per component
-    (gradients: .grad once backward is done, and FP32 sums; fp8_kept: the kept FP8 weight copies;
-    activations: what the forward saved, less those), saved_tensors ({storage: SavedTensor}), the phases'
-    readings, the peak and its phase, and forward_growth (the live bytes' growth over the forward) with
-    forward_storages (the sizes of what the forward left alive: on CPU they add up to it, on CUDA they bound
-    it, allocator_bounds). timeline: None, or (model, tracker) -> a context that marks which block runs
-    (ledger/trace.marks): the tracker's points too ("points"); until_step: stop as the optimizer's step begins."""
-    device = torch.device(device)
-    opt = parts.optimizer
+def measure(model, parts, batch, device, micro_steps=1, timeline=None, until_step=False, tracker=None,
+            module_path=ModulePath):
+    """Run one accumulation_step of (model, parts) on `batch` micro_steps times, the optimizer's states made
+    already (the steady state), and count it. Returns bytes per component (gradients: .grad and the FP32
+    sums once backward is done; fp8_kept: the kept FP8 weight copies; activations: what the first forward
+    saved, less those), saved_tensors ({storage: SavedTensor}), the phases' readings, the peak and its phase,
+    forward_growth (the live bytes' growth over the forward) and forward_storages (the sizes of what the
+    forward left alive: on CPU they add up to it, on CUDA they bound it, allocator_bounds). timeline: None, or
+    (model, tracker) -> a context marking which block runs (ledger/trace.marks), for the tracker's "points";
+    until_step: stop as the optimizer's step begins; tracker (None: CudaAllocator on CUDA, else LiveTensors)
+    and module_path (ModulePath, or ledger/compiled.BlockPath): what reads the bytes and names the modules."""
+    device, opt, grad_sums = torch.device(device), parts.optimizer, parts.grad_buffers or []
     params, buffers = list(model.parameters()), list(model.buffers())
     static = resident(model, parts)
-    tracker = CudaAllocator(device) if device.type == "cuda" else LiveTensors(device, timeline is not None)
+    if tracker is None:
+        tracker = CudaAllocator(device) if device.type == "cuda" else LiveTensors(device, timeline is not None)
     out = dict(parameters=storage_bytes(params, device),
                buffers=storage_bytes(buffers, device, exclude=storage_ids(params)),
                master=storage_bytes(opt.master_params, device, exclude=storage_ids(params)),
                optimizer=storage_bytes(opt.state_tensors(), device),
                inputs=storage_bytes(batch, device))
-    module_path = ModulePath(model)
-    phase, saved, losses = {}, SavedBytes(static + list(batch), where=module_path), [None]  # the last loss: no more
+    path = module_path(model)
+    phase, saved, losses = {}, SavedBytes(static + list(batch), where=path), [None]  # the last loss: no more
     hook = model.register_forward_hook(lambda module, args, output: losses.__setitem__(-1, output[1]))
 
     def observe(name, weighted_loss=None):
@@ -416,7 +408,7 @@ def measure(model, parts, batch, device, micro_steps=1, timeline=None, until_ste
             out["forward_storages"] = [v.nbytes for v in out["saved_tensors"].values()] + list(kept.values()) \
                 + [losses[-1].untyped_storage().nbytes(), weighted_loss.untyped_storage().nbytes()]
         if name == "gradients" and "gradients" not in out:
-            out["gradients"] = storage_bytes([p.grad for p in params] + (parts.grad_buffers or []), device)
+            out["gradients"] = storage_bytes([p.grad for p in params] + grad_sums, device)
             out["fp8_kept"] = storage_bytes(kept_copies(parts.fp8_layers), device)  # alive until the step's end
         tracker.start_phase(name)
         if name == "step" and until_step:
@@ -426,24 +418,22 @@ def measure(model, parts, batch, device, micro_steps=1, timeline=None, until_ste
 
     def read_step_gradients(*args, **kwargs):
         # the gradients alive as AdamW steps: .grad (ZeRO-2 has let it go), a ZeRO rank's slice, the FP32 sums
-        held = [p.grad for p in params] + [getattr(opt, "grad_slice", None)] + (parts.grad_buffers or [])
-        out["step_gradients"] = storage_bytes([t for t in held if t is not None], device)
+        held = [p.grad for p in params] + [getattr(opt, "grad_slice", None)] + grad_sums
+        out["step_gradients"] = storage_bytes(held, device)
         return adamw_step(*args, **kwargs)
     opt.torch_optimizer.step = read_step_gradients
     try:
         with tracker, saved, phases(model, parts, observe), timeline(model, tracker) if timeline else nullcontext():
-            tracker.adopt(static + (parts.grad_buffers or []) + list(batch))
+            tracker.adopt(static + grad_sums + list(batch))
             tracker.reset_peak()
             before = tracker.read()
-            try:
+            with suppress(_Stop):
                 accumulate.accumulation_step(model, parts, [batch] * micro_steps)
-            except _Stop:
-                pass
             phase["end"] = tracker.read()
     finally:
         del opt.torch_optimizer.step  # the instance attribute goes: the optimizer's own step again
         hook.remove()
-        module_path.remove()
+        path.remove()
     out["phase"] = dict(before=before, **phase)
     out["forward_growth"] = phase["backward"] - before
     out["peak"], out["peak_phase"], out["points"] = tracker.peak, tracker.peak_phase, getattr(tracker, "points", None)
