@@ -93,6 +93,19 @@ def test_planned_micro_batch_fits_and_the_next_does_not_as_measured(precision, c
         f"measured {over:,}; budget {budget:,}"
 
 
+def test_states_over_the_budget_stop_a_row_before_its_step_is_traced(monkeypatch):
+    """What a rank holds all step, traced in its optimizer step alone, over the budget: the row says so, and
+    none of its forward and backward is traced (no activation can make it fit)."""
+    cfg = Config(**TINY, precision="bf16", ckpt="none", seed=11)  # (a seed of its own: no trace cached)
+    held = lp.optimizer_steps(cfg, 1)[0]["held"][0]
+    steps, real = [], trace.KINDS["step"]
+    monkeypatch.setitem(trace.KINDS, "step", lambda c, *a: steps.append(c) or real(c, *a))
+    row = plan_row(cfg, 1, held - 1)
+    assert row.why == f"its states alone, held all step, are {held / 2 ** 30:.1f} GiB" and row.states == held, \
+        f"a budget of {held - 1:,} bytes under the states' {held:,}: {row.why}"
+    assert not steps, f"its step was traced {len(steps)} times, though nothing could fit"
+
+
 def test_fsdp_recompute_is_what_fsdp_runs():
     """Under FSDP a unit's re-run does not stop early (checkpoint.rerun_stops_early): the plan's recompute share
     is FSDP's own traced FLOPs, more than ZeRO's, which runs the unsharded step's."""
