@@ -54,7 +54,7 @@ class Config:
     n_head: int = key(4, "attention heads, a", at_least=1)
     n_embd: int = key(256, "width, h", at_least=1)
     block_size: int = key(256, "context length in tokens, s", at_least=1)
-    vocab_size: int = key(256, "tokens are bytes: 256 (larger only for the ledger's what-if shapes)", at_least=256)
+    vocab_size: int = key(256, "tokens are bytes: 256 (larger for make plan's and the ledger's shapes)", at_least=256)
     dropout: float = key(0.0, "dropout probability, in [0, 1)", at_least=0.0)
     bias: bool = key(True, "biases in Linears and LayerNorms")
     loss_chunks: int = key(1, "the loss over the rows in this many pieces, never all the FP32 logits at once "

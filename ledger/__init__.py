@@ -7,6 +7,6 @@ and what puts its numbers to work. Read memory_ledger.py first, then trace.py.
   comm.py      the collectives a step issues, counted, and the bytes they move
   plan.py      will it fit? every configuration's largest micro-batch on a GPU, from small traces (make plan)
   gpus.py      the GPUs the plan fits into, and their peak FLOP/s: each figure with its source
-  parallel.py  ZeRO and FSDP traced over N ranks; TP, SP, PP, CP and offload per GPU; the big shapes
+  parallel.py  ZeRO and FSDP traced over N ranks; TP, SP, PP, CP and offload per GPU
   papers.py    Korthikanti et al. and ZeRO's published figures beside the trace
 """

@@ -340,7 +340,7 @@ def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MI
         if one.shard != "fsdp":  # what a rank holds all step, its states (and DDP's buckets), traced alone first
             row.states = max(z["held"][0] for z in optimizer_steps(one, world)) + _ddp(one, world)
             if row.states > budget:
-                row.why = f"its states alone, held all step, are {row.states / GIB:.1f} GiB"
+                row.why = f"its states alone, held all step (buffers aside), are {row.states / GIB:.1f} GiB"
                 return row
         # the loss in pieces only where the whole loss does not fit: each piece's logits re-run, a GEMM more
         for chunks in [fixed["loss_chunks"]] if fixed and "loss_chunks" in fixed else LOSS_CHUNKS:
@@ -358,7 +358,7 @@ def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MI
     combos = [combo for combo in configurations(world)
               if not any(fixed and k in fixed and fixed[k] != v for k, v in zip(SEARCHED, combo))]
     return sorted(trace.rounds(evaluate, combos, workers), key=lambda r: (
-        r.why is not None, -(r.tokens_per_s or 0), r.recompute, r.sent, -(r.budget - r.reserved)))
+        r.why is not None, -(r.tokens_per_s or 0), r.recompute, r.sent, max(r.reserved, r.states) - r.budget))
 
 
 def fit(row, one, gpu, world, n, context, batch):

@@ -57,7 +57,8 @@ def test_papers_only_builds_nothing(monkeypatch, capsys):
     def refuse(*args, **kw):
         raise AssertionError("--papers_only must not build a model")
     monkeypatch.setattr(train, "build", refuse)
-    assert tool.main(["--papers_only", "--ranks=4"]) == 0  # (the traces of the test above)
+    assert tool.main(["--papers_only"]) == 0  # (the traces of the test above)
+    assert tool.main(["--papers_only", "--ranks=4"]) == 2  # the papers' own sizes: none of the ledger's applies
     out = capsys.readouterr().out
     assert "published figure vs ours" in out and "component" not in out and "make plan" in out
 

@@ -5,7 +5,7 @@ under the budget and the next one over it, as ledger/measure.py measures them (o
 import json
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import astuple, replace
 
 import pytest
 import torch
@@ -44,7 +44,7 @@ DEEP = dict(n_layer=6, n_embd=32, n_head=2, block_size=64, vocab_size=256, devic
     (dict(precision="bf16", shard="fsdp", ckpt="sqrt", ckpt_segment=2, n_layer=9), 2, 2),
     (dict(precision="bf16", loss_chunks=4, vocab_size=4096), 1, 2)])
 def test_the_extended_step_is_the_step_traced_whole(over, world, micro_steps):
-    """What the plan relies on: traced at 2 and 3 units (4 and 5 under FSDP) and micro-batches 2 and 3, every
+    """What the plan relies on: traced at 2 and 3 units (4 and 5 blocks under FSDP) and micro-batches 2 and 3, every
     point of the step extends to the full depth and any micro-batch exactly (b = 1 from traces at b = 1)."""
     cfg = Config(**{**DEEP, **over})
     for b in (1, 5):
@@ -93,6 +93,19 @@ def test_planned_micro_batch_fits_and_the_next_does_not_as_measured(precision, c
         f"measured {over:,}; budget {budget:,}"
 
 
+def test_traced_in_parallel_as_in_one_process():
+    """trace.rounds: the plan's rows are the same whether its traces are made in forked processes or here, and
+    nothing is left noted after it."""
+    rows = {}
+    for workers, seed in ((2, 13), (1, 14)):  # (a seed each: nothing cached, the same shapes)
+        cfg = Config(**TINY, seed=seed)
+        rows[workers] = [astuple(r) for r in lp.plan(cfg, gpus.find_gpu("1GiB"), 2, 6 * 2 * cfg.block_size,
+                                                     dict(precision="bf16", attn="manual", ckpt="none"),
+                                                     workers=workers)]
+    assert rows[2] == rows[1], "\n".join(f"forked {a}\nhere   {b}" for a, b in zip(rows[2], rows[1]) if a != b)
+    assert not trace._ASKED, "rounds left a list of missing traces behind"
+
+
 def test_states_over_the_budget_stop_a_row_before_its_step_is_traced(monkeypatch):
     """What a rank holds all step, traced in its optimizer step alone, over the budget: the row says so, and
     none of its forward and backward is traced (no activation can make it fit)."""
@@ -101,7 +114,8 @@ def test_states_over_the_budget_stop_a_row_before_its_step_is_traced(monkeypatch
     steps, real = [], trace.KINDS["step"]
     monkeypatch.setitem(trace.KINDS, "step", lambda c, *a: steps.append(c) or real(c, *a))
     row = plan_row(cfg, 1, held - 1)
-    assert row.why == f"its states alone, held all step, are {held / 2 ** 30:.1f} GiB" and row.states == held, \
+    assert row.why == f"its states alone, held all step (buffers aside), are {held / 2 ** 30:.1f} GiB" and \
+        row.states == held, \
         f"a budget of {held - 1:,} bytes under the states' {held:,}: {row.why}"
     assert not steps, f"its step was traced {len(steps)} times, though nothing could fit"
 

@@ -308,8 +308,8 @@ def program(argv):
     started = time.perf_counter()
     cfg, opts = cli.parse_args(argv, LedgerOptions)
     say = functools.partial(print, flush=True)
-    if opts.papers_only:  # the papers' shapes: no key of this run applies
-        ignored = given(argv) - {f.name for f in fields(LedgerOptions)}
+    if opts.papers_only:  # the papers' shapes: no key of this run applies, nor the ledger's sizes
+        ignored = given(argv) - {"papers_only"}
         if ignored:
             raise UsageError(f"--{', --'.join(sorted(ignored))}: --papers_only prints the papers' figures at "
                              f"their shapes, this run's keys do not apply")
