@@ -280,7 +280,7 @@ def warm(model_, parts, batch):
 def optimizer_config(cfg):
     """cfg as the optimizer's step sees it: nothing of these reaches it (attn: the masks, which are buffers)."""
     return replace(cfg, ckpt="none", ckpt_segment=0, ckpt_impl="hooks", dropout=0.0, batch_size=1, attn="sdpa",
-                   compile=False)
+                   compile=False, loss_chunks=1)
 
 
 def _optimizer_step(cfg, world, rank):
