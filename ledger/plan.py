@@ -156,8 +156,8 @@ class Peaks:
 
     def __init__(self, cfg, world, micro_steps=1, b=(2, 3)):
         self.cfg, self.world, self.micro_steps, self.one = cfg, world, micro_steps, b == (1,)
-        self.ranks = list(differing_ranks(cfg, world)) if cfg.shard in zero.STAGES else [0]
-        self.steps = {} if cfg.shard == "fsdp" else dict(zip(self.ranks, optimizer_steps(cfg, world)))
+        self.steps = {} if cfg.shard == "fsdp" else optimizer_steps(cfg, world)
+        self.ranks = list(self.steps) or [0]
         # one micro-step read off a trace of two, but under FSDP (whose first of two skips its reduce-scatter):
         # its three phases, then the optimizer's step, which finds the same bytes alive after either
         self.traced_steps = micro_steps if cfg.shard == "fsdp" else 2
@@ -213,10 +213,11 @@ class Peaks:
 
 
 def optimizer_steps(cfg, world):
-    """Each kind of rank's optimizer step (differing_ranks), traced at full depth (DDP's: one process's)."""
+    """{rank: its optimizer step} of each kind of rank (differing_ranks), traced at full depth (DDP's: one
+    process's)."""
     ranks = differing_ranks(cfg, world) if cfg.shard in zero.STAGES else [0]
-    return trace.all_of([("optimizer step", trace.optimizer_config(cfg), 1 if cfg.shard == "none" else world, rank)
-                         for rank in ranks])
+    return dict(zip(ranks, trace.all_of([("optimizer step", trace.optimizer_config(cfg),
+                                          1 if cfg.shard == "none" else world, rank) for rank in ranks])))
 
 
 def _ddp(cfg, world):
@@ -338,7 +339,7 @@ def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MI
             row.why = f"does not run: {gpu.name} has no {prec.name.upper()} units"
             return row
         if one.shard != "fsdp":  # what a rank holds all step, its states (and DDP's buckets), traced alone first
-            row.states = max(z["held"][0] for z in optimizer_steps(one, world)) + _ddp(one, world)
+            row.states = max(z["held"][0] for z in optimizer_steps(one, world).values()) + _ddp(one, world)
             if row.states > budget:
                 row.why = f"its states alone, held all step (buffers aside), are {row.states / GIB:.1f} GiB"
                 return row
