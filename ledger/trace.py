@@ -264,12 +264,12 @@ def _traced_or_none(request):
         return None
 
 
-def warm(model_, parts, batch):
-    """AdamW's states made before the counted step, by its step alone (nothing else of a step leaves state
-    behind), but under FSDP, whose first forward makes its own: a whole step there, where one is counted."""
-    if isinstance(model_, fsdp.FSDPModule) and batch is not None:  # FSDP's model (fsdp.apply_fsdp), a step to count
-        accumulate.accumulation_step(model_, parts, [batch])
-        return
+def warm(model_, parts):
+    """AdamW's states made before the counted step, by its step alone, and FSDP's lazy init, which its first
+    forward would run, remaking its shards after the census noted theirs (torch/distributed/fsdp/_fully_shard/
+    _fsdp_state.py): nothing else of a step leaves state behind (tests/test_memory_parallel.py)."""
+    if isinstance(model_, fsdp.FSDPModule):
+        model_._get_fsdp_state()._lazy_init()
     opt = parts.optimizer
     for m in opt.master_params:
         m.grad = torch.zeros_like(m)
@@ -297,7 +297,7 @@ def _optimizer_step(cfg, world, rank):
                 for p in opt.model_params:
                     p.grad = torch.empty_like(p)
             return [p.grad for p in opt.model_params if p.grad is not None]
-        warm(model_, parts, None)  # AdamW's states exist from here
+        warm(model_, parts)  # AdamW's states exist from here
         tracker, found = measure.LiveTensors(device, timeline=True), {}
         static = measure.resident(model_, parts) + (parts.grad_buffers or [])
         opt_step = opt.step
@@ -349,7 +349,7 @@ def _trace(cfg, world, rank, micro_steps, planned):
         model_, parts = build.build(cfg, device)
         batch = measure.random_batch(cfg, device)
         if not planned or cfg.shard == "fsdp":  # (the planner's stop before the step: Peaks sets the states)
-            warm(model_, parts, batch)  # AdamW's states exist from here: the steady state
+            warm(model_, parts)  # AdamW's states exist from here: the steady state
         with comm.Count() as count, flops.Counted() if planned else contextlib.nullcontext() as counted:
             out = measure.measure(model_, parts, batch, device, micro_steps, timeline=marks if planned else None,
                                   until_step=planned and cfg.shard != "fsdp")

@@ -5,9 +5,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+import accumulate
+import build
 import memory_ledger as ml
 from config import Config
-from ledger import papers, trace
+from ledger import measure, papers, trace
 from ledger import parallel as mp
 from model import GPT
 
@@ -56,6 +58,30 @@ def test_fsdp_shards_parameters_not_buffers():
         want = whole["buffers"] // 2 if name.startswith("pipeline") else whole["buffers"]
         assert comp["buffers"] == want, f"{name}: buffers {comp['buffers']:,}, expected {want:,}"
         assert how == ("traced" if "over 8" in name else "formula"), f"{name}: {how}"
+
+
+@pytest.mark.parametrize("over, world, rank", [
+    (dict(n_embd=35, n_head=5, block_size=17, dropout=0.1), 2, 1),  # the odd shape: rank 1's shards padded
+    (dict(precision="bf16", ckpt="sqrt", device="cuda", loss_chunks=4), 4, 1)])
+def test_fsdps_warm_step_is_its_optimizers_alone(monkeypatch, over, world, rank):
+    """FSDP's steady state, traced after AdamW's step alone and its lazy init (trace.warm), is the one a whole
+    step leaves: every figure, the saved tensors, the timeline's bytes op by op."""
+    cfg = Config(**{**dict(n_layer=4, n_embd=64, n_head=4, block_size=32, vocab_size=256, batch_size=2,
+                           precision="fp32", shard="fsdp"), **over})
+    light = {planned: trace._trace(cfg, world, rank, 2, planned) for planned in (False, True)}
+    built, real_build = [], build.build
+    monkeypatch.setattr(build, "build", lambda *args: built.append(real_build(*args)) or built[-1])
+    monkeypatch.setattr(trace, "warm", lambda model_, parts: accumulate.accumulation_step(
+        model_, parts, [measure.random_batch(cfg, trace._device(cfg))]))
+    for planned in (False, True):
+        whole, alone = trace._trace(cfg, world, rank, 2, planned), light[planned]
+        for name, figure in whole.items():
+            if name == "points" and planned:  # (the op that first counts a gathered block's storage may differ)
+                figure, alone[name] = ([p[:1] + p[2:] for p in points] for points in (figure, alone[name]))
+            if name == "saved_tensors":  # (by storage: the modules a reused address met differ)
+                figure, alone[name] = (sorted((t.nbytes, t.shape, t.dtype) for t in saved.values())
+                                       for saved in (figure, alone[name]))
+            assert alone[name] == figure, f"{name}: after AdamW's step alone {alone[name]}, after a whole step {figure}"
 
 
 @pytest.mark.parametrize("shape", [dict(), dict(attn="sdpa"), dict(attn="sdpa", dropout=0.1, device="cuda"),
