@@ -193,8 +193,9 @@ class LiveTensors(TorchDispatchMode):
     """Counts the bytes of distinct live storages on one device, op by op, like CUDA's memory_allocated:
     each op's outputs are registered by storage, dropped when a finalizer says the storage died."""
 
-    def __init__(self, device, timeline=False):
+    def __init__(self, device, timeline=False, outputs=None):
         super().__init__()
+        self.outputs = outputs  # None, or (op, its outputs) -> the outputs to count: ledger/trace.cuda_dtypes
         self.device, self.live, self.dead = torch.device(device), {}, []  # live: storage id -> bytes; dead: ids
         self.now = self.peak = 0  # now: the bytes in `live`, kept as a running sum
         self.phase = self.peak_phase = "start"
@@ -272,6 +273,8 @@ class LiveTensors(TorchDispatchMode):
         if func is torch.ops.prim.device.default:  # C++ asking a fake tensor its device (half the calls): no op
             return args[0].device  # (answered here, not by every mode below: a trace ~8% faster)
         out = func(*args, **(kwargs or {}))
+        if self.outputs is not None:
+            out = self.outputs(func, out)
         self._drop_dead()  # what the op's inputs' owners let go of, before its outputs count
         before = self.now
         for t in tree_leaves(out):

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import accumulate
 import build
@@ -61,17 +60,17 @@ def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
 
 
-class _CudaDtypes(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.native_layer_norm.default and out[1].dtype != torch.float32:
-            return out[0], out[1].float(), out[2].float()
-        return out
+def cuda_dtypes(func, out):
+    """An op's outputs in the dtypes CUDA's kernel gives them (LayerNorm's, above), as the census counts them
+    (measure.LiveTensors' `outputs`: in its own mode, as a mode more would cost every op ~20%)."""
+    if func is torch.ops.aten.native_layer_norm.default and out[1].dtype != torch.float32:
+        return out[0], out[1].float(), out[2].float()
+    return out
 
 
 @contextlib.contextmanager
 def cuda_rules(on):
-    """CUDA's rules (above) for what runs inside, where `on`."""
+    """CUDA's rules (above) for what runs inside, where `on`, but LayerNorm's dtypes (cuda_dtypes)."""
     if not on:
         yield
         return
@@ -81,8 +80,7 @@ def cuda_rules(on):
     model.sum_in_fp32 = lambda total, a, b: total.add_(torch.mm(a, b, out_dtype=torch.float32)) \
         if a.dtype != torch.float32 else torch.addmm(total, a, b, out=total)  # its CUDA branch
     try:
-        with _CudaDtypes():
-            yield
+        yield
     finally:
         fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention, model.sum_in_fp32 = saved
 
@@ -352,7 +350,8 @@ def _trace(cfg, world, rank, micro_steps, planned):
             warm(model_, parts)  # AdamW's states exist from here: the steady state
         with comm.Count() as count, flops.Counted() if planned else contextlib.nullcontext() as counted:
             out = measure.measure(model_, parts, batch, device, micro_steps, timeline=marks if planned else None,
-                                  until_step=planned and cfg.shard != "fsdp")
+                                  until_step=planned and cfg.shard != "fsdp", tracker=measure.LiveTensors(
+                                      device, planned, cuda_dtypes if emulated(cfg) else None))
         if planned:  # the planner's: its timeline and figures (it keeps a trace for each of hundreds of configs)
             out.pop("saved_tensors")
         params = list(model_.parameters())  # (a DTensor's numel is the whole parameter's)
@@ -382,8 +381,8 @@ def _trace(cfg, world, rank, micro_steps, planned):
 class _Described(measure.LiveTensors):
     """LiveTensors that also tells what was alive at its peak: [(dtype, shape, bytes)] of each storage."""
 
-    def __init__(self, device):
-        super().__init__(device)
+    def __init__(self, device, outputs=None):
+        super().__init__(device, outputs=outputs)
         self.told, self.at_peak = {}, {}
 
     def _add(self, t):
@@ -409,7 +408,8 @@ def loss_at_most(cfg, fake=True, device=None):
         gpt = model.GPT(dataclasses.replace(cfg, n_layer=1), prec.linear_factory()).to(prec.param_dtype)
         x = torch.randn(cfg.batch_size, cfg.block_size, cfg.n_embd, dtype=prec.param_dtype, requires_grad=True)
         targets = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size))
-        tracker, inputs = _Described(device), [x, targets, *gpt.parameters(), *gpt.buffers()]
+        tracker = _Described(device, cuda_dtypes if fake and emulated(cfg) else None)
+        inputs = [x, targets, *gpt.parameters(), *gpt.buffers()]
         with tracker:
             tracker.adopt(inputs)
             tracker.reset_peak()

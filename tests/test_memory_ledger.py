@@ -422,6 +422,16 @@ def test_cuda_rules_are_this_gpus_kernels(argv):
         f"{ruled['peak']:,}; this GPU's kernels {real['activations']:,} and {real['peak']:,}"
 
 
+def test_a_gpus_step_traced_here_keeps_layernorms_statistics_in_fp32():
+    """CUDA's LayerNorm keeps its mean and rstd in FP32 for 16-bit inputs, CPU's in the input's dtype: a GPU's
+    step traced on a CPU-only torch (trace.CUDA's rules) counts them as the GPU keeps them."""
+    cfg = parse_args(merged(*TINY, "--precision=bf16", "--device=cpu"))
+    statistics = {("NativeLayerNormBackward0", "result1"), ("NativeLayerNormBackward0", "result2")}
+    dtypes = {device: sorted({t.dtype for t in trace.step(replace(cfg, device=device))["saved_tensors"].values()
+                              if statistics & {pair[:2] for pair in t.inputs}}) for device in ("cpu", "cuda")}
+    assert dtypes == {"cpu": ["bfloat16"], "cuda": ["float32"]}, f"LayerNorm's saved mean and rstd: {dtypes}"
+
+
 @pytest.mark.cuda
 def test_cuda_train_time_ledger_line_keeps_peak_stats(tmp_path):
     cfg = parse_args(TINY + ["--precision=bf16", "--device=cuda", "--max_iters=2", "--sample_tokens=0",
