@@ -47,7 +47,8 @@ def korthikanti_rows(t=8):
              ml.layer_activations_closed(s, b, h, a, dropout=False), no_drop, 1, False, ""),
             (f"Table 2: TP t={t}", "sbh(10 + 24/t + 5as/(ht))", 10 * sbh + 24 * sbh // t + core // t, gpt3, t, False,
              " (replicated under TP)"),
-            (f"Table 2: TP t={t} + SP", "sbh(34/t + 5as/(ht))", 34 * sbh // t + core // t, gpt3, t, True, " (/ t under SP)"),
+            (f"Table 2: TP t={t} + SP", "sbh(34/t + 5as/(ht))", 34 * sbh // t + core // t, gpt3, t, True,
+             " (/ t under SP)"),
             (f"Table 2: TP t={t} + selective", "sbh(10 + 24/t)", 10 * sbh + 24 * sbh // t, sel, t, False,
              " (replicated under TP)"),
             (f"Table 2: TP t={t} + SP + selective", "sbh(34/t)", 34 * sbh // t, sel, t, True, " (/ t under SP)")]:

@@ -137,7 +137,7 @@ def marks(model, tracker):
             output.register_hook(lambda grad: set_mark(("backward", i)))
     handles = [h for i, block in enumerate(model.h)
                for h in (block.register_forward_pre_hook(lambda module, args, i=i: set_mark(("forward", i))),
-                         block.register_forward_hook(lambda module, args, output, i=i: hooked(module, args, output, i)))]
+                         block.register_forward_hook(lambda module, args, out, i=i: hooked(module, args, out, i)))]
     try:
         yield
     finally:
@@ -326,7 +326,8 @@ def _held(cfg, model_, parts, device):
             if name in per_tensor] if emulated(cfg) else []
     buffers = list(model_.buffers())
     left = measure.storage_ids(host + buffers)
-    held = [t for t in measure.resident(model_, parts) + (parts.grad_buffers or []) if measure.storage_key(t) not in left]
+    held = [t for t in measure.resident(model_, parts) + (parts.grad_buffers or [])
+            if measure.storage_key(t) not in left]
     return tuple(_counts(tensors, device) for tensors in (held, buffers, host))
 
 
