@@ -74,6 +74,10 @@ class Counted(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        return self.count(func, args, kwargs, out)
+
+    def count(self, func, args, kwargs, out):
+        """Add op func's FLOPs; returns its outputs (ledger/trace.py counts inside its census's mode)."""
         count = flop_registry.get(func._overloadpacket) or CPU_ATTENTION.get(func._overloadpacket)
         if count is not None:
             n = count(*args, **(kwargs or {}), out_val=out)

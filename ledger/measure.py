@@ -195,7 +195,7 @@ class LiveTensors(TorchDispatchMode):
 
     def __init__(self, device, timeline=False, outputs=None):
         super().__init__()
-        self.outputs = outputs  # None, or (op, its outputs) -> the outputs to count: ledger/trace.cuda_dtypes
+        self.outputs = outputs  # None, or (op, args, kwargs, its outputs) -> the outputs to count (ledger/trace.py)
         self.device, self.live, self.dead = torch.device(device), {}, []  # live: storage id -> bytes; dead: ids
         self.now = self.peak = 0  # now: the bytes in `live`, kept as a running sum
         self.phase = self.peak_phase = "start"
@@ -274,7 +274,7 @@ class LiveTensors(TorchDispatchMode):
             return args[0].device  # (answered here, not by every mode below: a trace ~8% faster)
         out = func(*args, **(kwargs or {}))
         if self.outputs is not None:
-            out = self.outputs(func, out)
+            out = self.outputs(func, args, kwargs, out)
         self._drop_dead()  # what the op's inputs' owners let go of, before its outputs count
         before = self.now
         for t in tree_leaves(out):

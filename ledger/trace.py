@@ -60,7 +60,7 @@ def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
 
 
-def cuda_dtypes(func, out):
+def cuda_dtypes(func, args, kwargs, out):
     """An op's outputs in the dtypes CUDA's kernel gives them (LayerNorm's, above), as the census counts them
     (measure.LiveTensors' `outputs`: in its own mode, as a mode more would cost every op ~20%)."""
     if func is torch.ops.aten.native_layer_norm.default and out[1].dtype != torch.float32:
@@ -349,10 +349,16 @@ def _trace(cfg, world, rank, micro_steps, planned):
         batch = measure.random_batch(cfg, device)
         if not planned or cfg.shard == "fsdp":  # (the planner's stop before the step: Peaks sets the states)
             warm(model_, parts)  # AdamW's states exist from here: the steady state
-        with comm.Count() as count, flops.Counted() if planned else contextlib.nullcontext() as counted:
+        counted, cuda = flops.Counted(), emulated(cfg)
+
+        def outputs(func, args, kwargs, out):  # in the census's own mode: a mode more costs every op ~10%
+            if planned:
+                counted.count(func, args, kwargs, out)
+            return cuda_dtypes(func, args, kwargs, out) if cuda else out
+        with comm.Count() as count:
             out = measure.measure(model_, parts, batch, device, micro_steps, timeline=marks if planned else None,
-                                  until_step=planned and cfg.shard != "fsdp", tracker=measure.LiveTensors(
-                                      device, planned, cuda_dtypes if emulated(cfg) else None))
+                                  until_step=planned and cfg.shard != "fsdp",
+                                  tracker=measure.LiveTensors(device, planned, outputs))
         if planned:  # the planner's: its timeline and figures (it keeps a trace for each of hundreds of configs)
             out.pop("saved_tensors")
         params = list(model_.parameters())  # (a DTensor's numel is the whole parameter's)

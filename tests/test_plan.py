@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import accumulate
+import flops
 import train
 from config import Config
 from conftest import ROOT, torchrun
@@ -118,6 +119,18 @@ def test_states_over_the_budget_stop_a_row_before_its_step_is_traced(monkeypatch
         row.states == held, \
         f"a budget of {held - 1:,} bytes under the states' {held:,}: {row.why}"
     assert not steps, f"its step was traced {len(steps)} times, though nothing could fit"
+
+
+def test_a_planned_trace_counts_every_flop_of_the_step():
+    """The FLOPs behind a row's step time (FP8's GEMMs at FP8's rate, the rest at BF16's), counted in the trace's
+    census, against flops.per_token's own count of model.py: the same, the FP8 GEMMs (a GPU's) among them."""
+    cfg = Config(**TINY, precision="fp8", batch_size=2)
+    for device in ("cpu", "cuda"):
+        traced = trace.step(replace(cfg, device=device), 1, 0, 1, True)
+        model_flops = int(flops.per_token(cfg)[0]) * cfg.batch_size * cfg.block_size
+        assert traced["flops"] == model_flops, f"{device}: the trace counts {traced['flops']:,} FLOPs, " \
+                                               f"flops.per_token {model_flops:,}"
+        assert (traced["fp8_flops"] > 0) == (device == "cuda"), f"{device}: {traced['fp8_flops']:,} FP8 FLOPs"
 
 
 def test_fsdp_recompute_is_what_fsdp_runs():
