@@ -62,7 +62,7 @@ def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
 
 def cuda_dtypes(func, args, kwargs, out):
     """An op's outputs in the dtypes CUDA's kernel gives them (LayerNorm's, above), as the census counts them
-    (measure.LiveTensors' `outputs`: in its own mode, as a mode more would cost every op ~20%)."""
+    (measure.LiveTensors' `outputs`: in its own mode, as a mode more would cost every op 10-20%)."""
     if func is torch.ops.aten.native_layer_norm.default and out[1].dtype != torch.float32:
         return out[0], out[1].float(), out[2].float()
     return out
@@ -351,7 +351,7 @@ def _trace(cfg, world, rank, micro_steps, planned):
             warm(model_, parts)  # AdamW's states exist from here: the steady state
         counted, cuda = flops.Counted(), emulated(cfg)
 
-        def outputs(func, args, kwargs, out):  # in the census's own mode: a mode more costs every op ~10%
+        def outputs(func, args, kwargs, out):  # in the census's own mode: a mode more costs every op 10-20%
             if planned:
                 counted.count(func, args, kwargs, out)
             return cuda_dtypes(func, args, kwargs, out) if cuda else out
