@@ -208,8 +208,7 @@ class Peaks:
         """What the highest-holding rank holds all step: its states, buffers, FP32 sums (and DDP's buckets)."""
         if self.cfg.shard == "fsdp":
             return self.ext.phase("before", self.ext.bs[0]) - self.ext.figure("inputs", self.ext.bs[0])
-        held = max(self.steps[rank]["held"][0] for rank in self.ranks)
-        return held + self.ext.figure("buffers", self.ext.bs[0]) + _ddp(self.cfg, self.world)
+        return held_all_step(self.cfg, self.world) + self.ext.figure("buffers", self.ext.bs[0])
 
 
 def optimizer_steps(cfg, world):
@@ -218,6 +217,11 @@ def optimizer_steps(cfg, world):
     ranks = differing_ranks(cfg, world) if cfg.shard in zero.STAGES else [0]
     return dict(zip(ranks, trace.all_of([("optimizer step", trace.optimizer_config(cfg),
                                           1 if cfg.shard == "none" else world, rank) for rank in ranks])))
+
+
+def held_all_step(cfg, world):
+    """What the highest-holding rank holds all step, buffers aside: its states, FP32 sums (and DDP's buckets)."""
+    return max(z["held"][0] for z in optimizer_steps(cfg, world).values()) + _ddp(cfg, world)
 
 
 def _ddp(cfg, world):
@@ -339,7 +343,7 @@ def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MI
             row.why = f"does not run: {gpu.name} has no {prec.name.upper()} units"
             return row
         if one.shard != "fsdp":  # what a rank holds all step, its states (and DDP's buckets), traced alone first
-            row.states = max(z["held"][0] for z in optimizer_steps(one, world).values()) + _ddp(one, world)
+            row.states = held_all_step(one, world)
             if row.states > budget:
                 row.why = f"its states alone, held all step (buffers aside), are {row.states / GIB:.1f} GiB"
                 return row

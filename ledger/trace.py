@@ -244,7 +244,7 @@ def rounds(evaluate, items, workers):
 
 
 def _cost(kind, cfg):
-    """A trace's time, roughly: blocks run (FSDP's three times, with its gathers), an optimizer's step cheap."""
+    """A trace's time, roughly: blocks run (FSDP's with its gathers), an optimizer's step cheap."""
     return cfg.n_layer * (0.25 if kind != "step" else 4 if cfg.shard == "fsdp" else 1)
 
 
