@@ -68,6 +68,11 @@ def flatten(params, padding):
     return flat
 
 
+def collective(*names):
+    """The first of `names` torch.distributed has, at each call (comm.Count wraps them): 2.13 deprecates *_tensor."""
+    return next(getattr(dist, name) for name in names if hasattr(dist, name))
+
+
 def norm_over_ranks(local_grads):
     """The FP32 norm of the whole gradient from each rank's part of it: squares summed over the ranks."""
     squares = precision.squared_sum(local_grads)  # fp64: the same fp32 norm as ddp's whole gradient gives
@@ -94,8 +99,6 @@ class ShardedOptimizer:
     the whole model's (views of `flat`); master_params, torch_optimizer: my slice's (a piece per parameter)."""
 
     def __init__(self, params, master_weights, spec, stage, lr, weight_decay=0.1, grad_clip=1.0):
-        if stage not in (1, 2):
-            raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}")
         self.stage, self.master_weights, self.spec = stage, master_weights, spec
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.model_params = [p for p in params if p.requires_grad]
@@ -127,11 +130,11 @@ class ShardedOptimizer:
                 p.grad = None  # zero-2: no rank keeps the whole gradient past this point
         flat_grad /= self.world  # before the sum, as ddp divides: the mean over ranks
         self.grad_slice = flat_grad.new_empty(self.shards.size)
-        dist.reduce_scatter_tensor(self.grad_slice, flat_grad)
+        collective("reduce_scatter_single", "reduce_scatter_tensor")(self.grad_slice, flat_grad)
         del flat_grad
         stepped, grad_norm = self.slice.step([piece.of_slice(self.grad_slice) for piece in self.pieces], scaler)
         if stepped:  # the norm is global: every rank gathers, or none
-            dist.all_gather_into_tensor(self.flat, self.my_slice)
+            collective("all_gather_single", "all_gather_into_tensor")(self.flat, self.my_slice)
         return stepped, grad_norm
 
     def zero_grad(self):
