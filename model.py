@@ -140,12 +140,16 @@ def logits_gradient(piece, weight, targets, grad):
     return torch.autograd.grad(loss, logits, grad)[0]
 
 
+def on_gpu(t):  # ledger/trace.py says yes for a GPU's step traced on CPU
+    return t.is_cuda
+
+
 def sum_in_fp32(total, a, b):
     """total += a @ b in FP32: the pieces' weight gradients add up there and round to 16 bits once (in FP32
     they add in another order than one GEMM's: wte's gradient differs from the plain loss's in its last bits). A CPU
     has no GEMM of 16-bit inputs into FP32, so the same values are multiplied in FP32 there (a product of
     two 16-bit values is exact in FP32); cuBLAS has one (out_dtype)."""
-    if a.is_cuda and a.dtype != torch.float32:
+    if on_gpu(a) and a.dtype != torch.float32:
         total += torch.mm(a, b, out_dtype=torch.float32)
     else:
         torch.addmm(total, a.float(), b.float(), out=total)

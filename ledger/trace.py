@@ -43,7 +43,7 @@ CUDA = [  # what a GPU's kernels keep that a CPU's do not: (rule, source); all u
     ("the FP8 GEMM is torch._scaled_mm, its operands not copied to BF16", "backends/fp8_gemm.py's GPU path"),
     ("AdamW's per-tensor step counts stay in host memory", "torch/optim/adamw.py (capturable=False)"),
     ("LOSS_CHUNKS: a piece's weight gradient is one 16-bit GEMM with an FP32 output, no FP32 copies of its "
-     "operands", "model.sum_in_fp32; torch.mm's out_dtype (aten/src/ATen/native/cuda/Blas.cpp)"),
+     "operands", "model.sum_in_fp32's GPU branch; torch.mm's out_dtype (aten/src/ATen/native/cuda/Blas.cpp)"),
 ]
 
 
@@ -75,14 +75,13 @@ def cuda_rules(on):
         yield
         return
     # functions, not a torch-function mode: autograd runs a recompute's re-run in backward without one
-    saved = fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention, model.sum_in_fp32
-    fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention = (lambda t: True), _dropout, _attention
-    model.sum_in_fp32 = lambda total, a, b: total.add_(torch.mm(a, b, out_dtype=torch.float32)) \
-        if a.dtype != torch.float32 else torch.addmm(total, a, b, out=total)  # its CUDA branch
+    saved = fp8_gemm.on_gpu, model.on_gpu, F.dropout, F.scaled_dot_product_attention
+    fp8_gemm.on_gpu = model.on_gpu = lambda t: True
+    F.dropout, F.scaled_dot_product_attention = _dropout, _attention
     try:
         yield
     finally:
-        fp8_gemm.on_gpu, F.dropout, F.scaled_dot_product_attention, model.sum_in_fp32 = saved
+        fp8_gemm.on_gpu, model.on_gpu, F.dropout, F.scaled_dot_product_attention = saved
 
 
 @contextlib.contextmanager

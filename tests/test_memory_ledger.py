@@ -432,6 +432,19 @@ def test_a_gpus_step_traced_here_keeps_layernorms_statistics_in_fp32():
     assert dtypes == {"cpu": ["bfloat16"], "cuda": ["float32"]}, f"LayerNorm's saved mean and rstd: {dtypes}"
 
 
+def test_a_gpus_loss_in_pieces_traced_here_sums_each_piece_in_one_gemm_into_fp32():
+    """model.sum_in_fp32's GPU branch: cuBLAS multiplies a piece's 16-bit operands into an FP32 output, where a CPU
+    copies both to FP32 first. A GPU's step traced on a CPU-only torch runs that branch (trace.CUDA's rules): at
+    the loss's most (wide enough that the weight's sum is it), the GEMM's FP32 output beside the FP32 sum."""
+    cfg = Config(n_layer=1, n_embd=512, n_head=2, block_size=64, vocab_size=256, batch_size=2, precision="bf16",
+                 loss_chunks=4)
+    weight = ("float32", (256, 512), 4 * 256 * 512)
+    weight_sized = {device: trace.loss_at_most(replace(cfg, device=device))[1].count(weight)
+                    for device in ("cpu", "cuda")}
+    assert weight_sized == {"cpu": 1, "cuda": 2}, f"FP32 tensors of the head's weight's size alive at the loss's " \
+                                                  f"most: {weight_sized} (the sum, and on a GPU the GEMM's output)"
+
+
 @pytest.mark.cuda
 def test_cuda_train_time_ledger_line_keeps_peak_stats(tmp_path):
     cfg = parse_args(TINY + ["--precision=bf16", "--device=cuda", "--max_iters=2", "--sample_tokens=0",
