@@ -69,7 +69,7 @@ def flatten(params, padding):
 
 
 def collective(*names):
-    """The first of `names` torch.distributed has, at each call (comm.Count wraps them): 2.13 deprecates *_tensor."""
+    """The first of `names` dist has, read at each call (comm.Count wraps it): torch 2.13 deprecates *_tensor."""
     return next(getattr(dist, name) for name in names if hasattr(dist, name))
 
 

@@ -14,7 +14,7 @@ from collections import Counter
 
 import torch.distributed as dist
 
-# torch.distributed's names for them; FSDP2 calls the *_single ones from torch 2.13, older torch the others
+# torch.distributed's names for them; FSDP2 and zero.collective call the *_single ones from torch 2.13, else the others
 FACTOR = {"all_reduce": 2, "reduce_scatter_tensor": 1, "all_gather_into_tensor": 1, "reduce_scatter_single": 1,
           "all_gather_single": 1}
 # which argument is the whole tensor (all ranks' slices): the input of a reduce-scatter, the output of an all-gather
