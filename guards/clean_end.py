@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import precision
 from config import RunError, UsageError
-from guards.interrupts import SIGNALS, Interrupted, launcher_gone
+from guards.interrupts import SIGNALS, Interrupted, ended, launcher_gone
 from guards.compiling import eagerly
 
 LOCK = ".memtrain.lock"  # in out_dir while a run uses it; its pid inside, for the refusal
@@ -250,14 +250,16 @@ def lost_ranks_named():
     except RuntimeError as e:  # gloo's and NCCL's errors (torch.distributed.DistError is one)
         previous = {s: signal.signal(s, signal.SIG_IGN) for s in SIGNALS}  # torchrun's SIGTERM comes next: say it first
         if line := launcher_gone():  # torchrun itself is gone, and with it every rank: that is the news
-            raise RunError(line) from None
+            ended(line)
         gone = _gone(table, e)
         if gone is None:
             for s, h in previous.items():
                 signal.signal(s, h)
             raise
-        raise RunError(f"rank {dist.get_rank()}: {gone} (killed, or it failed: its own line says why); this rank "
-                       f"cannot go on without it and stops; the last snapshot written is kept") from None
+        # no snapshot is being written while a collective fails: nothing to unwind, and train_ddp's
+        # destroy_process_group may wait on the rank that is gone
+        ended(f"rank {dist.get_rank()}: {gone} (killed, or it failed: its own line says why); this rank cannot go "
+              f"on without it and stops; the last snapshot written is kept")
 
 
 def _gone(table, error, wait=1.0):

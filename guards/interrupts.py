@@ -79,10 +79,16 @@ def watch_launcher():
     def watch():
         while not (line := launcher_gone()):
             time.sleep(1)
-        if not _line_written:  # the main thread may have said it first (clean_end.lost_ranks_named)
-            os.write(2, f"error: {line}\n".encode())
-        os._exit(1)  # at once, from this thread: the main one may wait in C (a collective, torchrun's store)
+        ended(line)  # at once, from this thread: the main one may wait in C (a collective, torchrun's store)
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def ended(line):
+    """A torchrun rank that cannot go on: its one line (unless one was said) and exit 1, now, unwinding nothing:
+    it may wait in C, and tearing down a process group whose peer is gone may wait on the peer."""
+    if not _line_written:
+        os.write(2, f"error: {line}\n".encode())
+    os._exit(1)
 
 
 def launcher_gone():
