@@ -1,5 +1,6 @@
 """Shared test setup: the repo root on sys.path, the `cuda` marker, a tiny data file."""
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -50,7 +51,38 @@ def torchrun(args, world=2, timeout=180):
     import subprocess
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_ranks(ranks_of(proc.pid).values())  # (killing torchrun would leave them running)
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def ranks_of(launcher):
+    """{rank: pid} of the processes `launcher` (torchrun) started: their RANK in their environment."""
+    ranks = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[1]) == launcher:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                ranks[int(next(e for e in env if e.startswith(b"RANK="))[5:])] = int(pid)
+        except (OSError, StopIteration):
+            pass
+    return ranks
+
+
+def kill_ranks(pids):
+    """kill -9 of torchrun's ranks: each runs in a session of its own (torchrun's workers are started with
+    start_new_session), so killing torchrun's process group does not reach them."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def merged(*flags):

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import train
-from conftest import ROOT, merged
+from conftest import ROOT, kill_ranks, merged, ranks_of
 from test_bad_input import TINY, ends_in_one_line, run_main
 
 
@@ -212,19 +212,6 @@ def torchrun_started(tmp_path, until_step=3):
     return proc, ranks
 
 
-def ranks_of(launcher):
-    """{rank: pid} of the processes `launcher` started (their RANK in their environment)."""
-    ranks = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if int(open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[1]) == launcher:
-                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-                ranks[int(next(e for e in env if e.startswith(b"RANK="))[5:])] = int(pid)
-        except (OSError, StopIteration):
-            pass
-    return ranks
-
-
 def loading_torch(pid):
     try:
         return "libtorch" in open(f"/proc/{pid}/maps").read()
@@ -232,39 +219,35 @@ def loading_torch(pid):
         return False
 
 
-def job_processes(group):
-    """[(pid, state, command)] of every process in process group `group` (the job's: start_new_session)."""
+def job_processes(pids):
+    """[(pid, state, command)] of those of `pids` still running (or zombies, not yet collected)."""
     out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in pids:
         try:
-            fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
-            if int(fields[2]) == group:
-                out.append((int(pid), fields[0], open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:60]))
+            state = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
+            out.append((pid, state, open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:60]))
         except OSError:
             pass
     return out
 
 
-def stopped_within(proc, seconds):
+def stopped_within(proc, seconds, ranks):
     """stderr once every process of the job has ended (they hold its pipe); kill them all if it takes longer."""
     try:
         return proc.communicate(timeout=seconds)[1]
     except subprocess.TimeoutExpired:
-        left = job_processes(proc.pid)
-        os.killpg(proc.pid, signal.SIGKILL)
+        left = job_processes([proc.pid, *ranks.values()])
         raise AssertionError(f"the job still ran {seconds} s later: it hangs; its processes then: {left}") from None
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing of it may outlive the test
-        except ProcessLookupError:
-            pass
+        proc.kill()  # nothing of it may outlive the test
+        kill_ranks(ranks.values())
 
 
 def test_a_rank_killed_is_named_by_the_survivor(tmp_path):
     """kill -9 of rank 1: rank 0's next collective fails in gloo; it ended in a RuntimeError traceback."""
     proc, ranks = torchrun_started(tmp_path)
     os.kill(ranks[1], signal.SIGKILL)
-    err = stopped_within(proc, 60)
+    err = stopped_within(proc, 60, ranks)
     said = [line for line in err.splitlines() if line.startswith("error: rank 0:")]
     assert len(said) == 1 and f"rank 1 (pid {ranks[1]}) is gone" in said[0], \
         f"rank 0 did not end in one line naming rank 1 (pid {ranks[1]}):\n{err[-3000:]}"
@@ -277,7 +260,7 @@ def test_a_rank_notices_its_launcher_is_gone(tmp_path):
     notices within a second and ends in one line."""
     proc, ranks = torchrun_started(tmp_path, until_step=None)
     os.kill(proc.pid, signal.SIGKILL)
-    err = stopped_within(proc, 30)
+    err = stopped_within(proc, 30, ranks)
     said = sorted(line for line in err.splitlines() if line.startswith("error: rank"))
     assert said == [f"error: rank {r}: its launcher (torchrun, pid {proc.pid}) is gone (killed?): this rank stops; "
                     f"the last snapshot written is kept" for r in (0, 1)], \
@@ -298,6 +281,6 @@ def test_torchrun_killed_mid_run_ends_every_rank_within_seconds(tmp_path):
              and "Z" not in open(f"/proc/{pid}/stat").read().rpartition(")")[2][:3]}
     took = time.monotonic() - started
     if alive:  # what they said, then the verdict: they are killed, and the pipe closes
-        os.killpg(proc.pid, signal.SIGKILL)
-    err = stopped_within(proc, 10)
+        kill_ranks(alive.values())
+    err = stopped_within(proc, 10, ranks)
     assert not alive and took < 5, f"ranks {alive} still ran {took:.1f} s after torchrun's kill -9:\n{err[-3000:]}"
