@@ -256,8 +256,8 @@ def lost_ranks_named():
             for s, h in previous.items():
                 signal.signal(s, h)
             raise
-        # no snapshot is being written while a collective fails: nothing to unwind, and train_ddp's
-        # destroy_process_group may wait on the rank that is gone
+        # at once (interrupts.ended): no snapshot is being written while a collective fails, so nothing
+        # needs unwinding, and freeing the DDP wrapper now can deadlock in gloo
         ended(f"rank {dist.get_rank()}: {gone} (killed, or it failed: its own line says why); this rank cannot go "
               f"on without it and stops; the last snapshot written is kept")
 

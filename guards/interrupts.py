@@ -19,6 +19,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _first = None  # the Interrupted the first signal raised inside signals_handled
 _line_written = False  # the program wrote its one line (cli.say): a signal after it adds none
 _launcher = None  # the pid of this rank's torchrun, once watch_launcher watches it
+_ending = threading.Lock()  # held by the thread that ends the process (`ended`)
 
 
 class Interrupted(BaseException):
@@ -85,10 +86,13 @@ def watch_launcher():
 
 def ended(line):
     """A torchrun rank that cannot go on: its one line (unless one was said) and exit 1, now, unwinding nothing:
-    it may wait in C, and tearing down a process group whose peer is gone may wait on the peer."""
-    if not _line_written:
-        os.write(2, f"error: {line}\n".encode())
-    os._exit(1)
+    it may wait in C, and freeing the DDP wrapper once a peer is gone can deadlock (~ProcessGroupGloo joins
+    gloo's thread, which waits for the GIL the freeing thread holds: seen in gdb, NOTES.md)."""
+    with _ending:  # the main thread and the launcher's watcher may both come here: one line
+        if not _line_written:
+            os.write(2, f"error: {line}\n".encode())
+            line_written()
+        os._exit(1)
 
 
 def launcher_gone():
