@@ -87,7 +87,7 @@ def watch_launcher():
 def ended(line):
     """A torchrun rank that cannot go on: its one line (unless one was said) and exit 1, now, unwinding nothing:
     it may wait in C, and freeing the DDP wrapper once a peer is gone can deadlock (~ProcessGroupGloo joins
-    gloo's thread, which waits for the GIL the freeing thread holds: seen in gdb, NOTES.md)."""
+    gloo's thread, which waits for the GIL the freeing thread holds)."""
     with _ending:  # the main thread and the launcher's watcher may both come here: one line
         if not _line_written:
             os.write(2, f"error: {line}\n".encode())

@@ -75,8 +75,8 @@ def cuda_rules(on):
         yield
         return
     # functions, not a torch-function mode: autograd runs a recompute's re-run in backward without one
-    saved = fp8_gemm.on_gpu, model.on_gpu, F.dropout, F.scaled_dot_product_attention
-    fp8_gemm.on_gpu = model.on_gpu = lambda t: True
+    saved = fp8_gemm.on_gpu, vars(model).get("on_gpu"), F.dropout, F.scaled_dot_product_attention
+    fp8_gemm.on_gpu = model.on_gpu = lambda t: True  # (model.py's, if a learner's model.py still has it)
     F.dropout, F.scaled_dot_product_attention = _dropout, _attention
     try:
         yield

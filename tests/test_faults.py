@@ -231,6 +231,11 @@ def job_processes(pids):
     return out
 
 
+def running(pids):
+    """Those of `pids` still running: not ended, nor a zombie its parent has not collected yet."""
+    return [pid for pid, state, _ in job_processes(pids) if state not in ("Z", "X")]
+
+
 def stopped_within(proc, seconds, ranks):
     """stderr once every process of the job has ended (they hold its pipe); kill them all if it takes longer."""
     try:
@@ -274,13 +279,12 @@ def test_torchrun_killed_mid_run_ends_every_rank_within_seconds(tmp_path):
     proc, ranks = torchrun_started(tmp_path)
     os.kill(proc.pid, signal.SIGKILL)
     started = time.monotonic()
-    while any(os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().rpartition(")")[2][:3]
-              for pid in ranks.values()) and time.monotonic() - started < 60:
+    while running(ranks.values()) and time.monotonic() - started < 60:
         time.sleep(0.1)
-    alive = {r: pid for r, pid in ranks.items() if os.path.exists(f"/proc/{pid}")
-             and "Z" not in open(f"/proc/{pid}/stat").read().rpartition(")")[2][:3]}
+    alive = running(ranks.values())
     took = time.monotonic() - started
     if alive:  # what they said, then the verdict: they are killed, and the pipe closes
-        kill_ranks(alive.values())
+        kill_ranks(alive)
     err = stopped_within(proc, 10, ranks)
-    assert not alive and took < 5, f"ranks {alive} still ran {took:.1f} s after torchrun's kill -9:\n{err[-3000:]}"
+    assert not alive and took < 5, f"ranks (pids) {alive} still ran {took:.1f} s after torchrun's kill -9:\n" \
+                                   f"{err[-3000:]}"
