@@ -64,11 +64,12 @@ $(error error: NPROC=$(value NPROC) is more ranks than this machine's $(LIMIT) (
 endif
 endif
 
-.PHONY: help train test bench sample ddp ledger plan chapter dtypes underflow flops reading gpu-check clean
+.PHONY: help train test house bench sample ddp ledger plan chapter dtypes underflow flops reading gpu-check clean
 
 help: $(DEPS)  ## this list; CKPT's choices are read from checkpoint.POLICIES
 	@echo "make train      train on the built-in data (PRECISION=fp32|bf16|fp16|fp8 CKPT=<a policy, below> ACCUM=K COMPILE=1)"
 	@echo "make test       the test suite (CPU; CUDA tests skip without a GPU)"
+	@echo "make house      the house's own rules (CI runs it after make test): file sizes, imports, what runs"
 	@echo "make bench      tokens/s, ms/step, MFU and peak memory per precision and ckpt policy -> out/bench.jsonl"
 	@echo "make sample     print a sample from out/snapshot.pt"
 	@echo "make ddp        torchrun --nproc_per_node=NPROC train.py (gloo on CPU, NCCL on GPU: NPROC = GPUs to use, default 2;"
@@ -80,7 +81,7 @@ help: $(DEPS)  ## this list; CKPT's choices are read from checkpoint.POLICIES
 	@echo "make dtypes     the dtype table from torch.finfo"
 	@echo "make underflow  the share of FP16 gradients lost without loss scaling"
 	@echo "make flops      each recompute policy's step FLOPs, counted by FlopCounterMode"
-	@echo "make reading    the lines a learner reads per mechanism, counted from the code (the README's tables)"
+	@echo "make reading    the lines each run executes, counted by running it (ARGS=--readme writes the README's tables)"
 	@echo "make gpu-check  on a GPU: CUDA tests, ledger, the plan's check, benchmark (the fast config too), every step run -> out/gpu-check/summary.md"
 	@echo "variables: any config key in capitals (python train.py --help lists them), NPROC, PYTHON, ARGS='--key=value ...'"
 	@$(PY) -c 'import checkpoint; print("CKPT= recompute policies (one class each in checkpoint.py):"); \
@@ -128,8 +129,12 @@ underflow: $(DEPS)
 flops: $(DEPS)
 	$(PY) tools/demos.py flops $(FLAGS)
 
-reading:
-	python3 tools/reading.py --check
+reading: $(DEPS)
+	$(PY) tools/reading.py --check $(FLAGS)
+
+# the house's own rules, not the learner's: CI runs it after make test
+house: $(DEPS)
+	$(PY) tools/house.py
 
 gpu-check: $(DEPS)
 	@$(PY) tools/gpu_check.py $(FLAGS)

@@ -3,18 +3,15 @@
 Chapter: where sections 1-4 meet before the first step. Read first: `build` (every mechanism put
 together, in the order that matters: cast, recompute, compile, shard, optimizer), then `make_optimizer`
 (SHARD's choice of optimizer). train.py runs what this builds; the memory ledger builds the same run on
-fake tensors (ledger/trace.py) to count its bytes without memory.
+fake tensors (ledger/trace.py) to count its bytes without memory. Each mechanism's file is imported where
+its flag asks for it: a plain run runs nothing of FP8, recompute or sharding.
 """
 import inspect
 
 import torch
 
 import accumulate
-import checkpoint
-import fp8
-import fsdp
 import precision
-import zero
 from config import UsageError
 from model import GPT
 
@@ -37,26 +34,30 @@ def build(cfg, device=None):
     device = device or pick_device(cfg)
     prec = precision.decide(cfg)
     try:
-        prec.check_device(device)
         torch.manual_seed(cfg.seed)
         model = GPT(cfg, linear_factory=prec.linear_factory())
+        if prec.fp8:  # its GEMM must run on this device, on Linears of its shapes
+            import fp8
+            prec.check_device(device)
+            fp8.check_shapes(model)
         sharded = cfg.shard == "fsdp"  # FSDP2 keeps FP32 shards (the master weights), casts per block
         model.to(device=device, dtype=torch.float32 if sharded else prec.param_dtype)
-        checkpoint.apply_policy(model, checkpoint.policy(cfg), prec.recompute_contexts,
-                                recompute_fn=checkpoint.IMPLEMENTATIONS[cfg.ckpt_impl],
-                                stop_early=checkpoint.rerun_stops_early(cfg, prec))
+        if cfg.ckpt != "none":
+            import checkpoint
+            checkpoint.apply_policy(model, checkpoint.policy(cfg), prec.recompute_contexts,
+                                    recompute_fn=checkpoint.IMPLEMENTATIONS[cfg.ckpt_impl],
+                                    stop_early=checkpoint.rerun_stops_early(cfg, prec))
         if cfg.compile:
             compile_blocks(model)  # before FSDP and DDP wrap the model, as PyTorch documents
         if sharded:
+            import fsdp
             fsdp.apply_fsdp(model, prec)
         optimizer = make_optimizer(cfg, model, prec)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    buffers = accumulate.fp32_grad_buffers(model.parameters()) if cfg.fp32_grad_accum and prec.master_weights \
-        else None
-    parts = accumulate.StepParts(precision=prec, scaler=prec.loss_scaler(), optimizer=optimizer,
-                                 grad_buffers=buffers, fp8_layers=fp8.layers(model))
-    return model, parts
+    # FP32_GRAD_ACCUM: the micro-steps' 16-bit gradients summed in FP32 buffers (config.py refuses it in fp32)
+    return model, accumulate.StepParts(prec, prec.loss_scaler(), optimizer, accumulate.fp32_grad_buffers(
+        model.parameters()) if cfg.fp32_grad_accum else None, fp8.layers(model) if prec.fp8 else ())
 
 
 def compile_blocks(model):
@@ -73,12 +74,14 @@ def make_optimizer(cfg, model, prec):
     """The optimizer SHARD asks for, with the update rule OPTIMIZER names (precision.OPTIMIZERS): on an
     FP32 master copy of the whole model (none: DDP keeps it on every rank), or of this rank's slice
     only (zero1, zero2: zero.py), or on this rank's FP32 shards, which are the master weights (fsdp)."""
-    spec, settings = precision.optimizer_spec(cfg), dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                                         grad_clip=cfg.grad_clip)
-    if cfg.shard in zero.STAGES:
+    spec = precision.optimizer_spec(cfg)
+    settings = dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
+    if cfg.shard in ("zero1", "zero2"):
+        import zero
         return zero.ShardedOptimizer(model.parameters(), prec.master_weights, spec, zero.STAGES[cfg.shard],
                                      **settings)
     if cfg.shard == "fsdp":
+        import fsdp
         return fsdp.ShardOptimizer(model.parameters(), prec.master_weights, spec, **settings)
     return precision.MasterWeightOptimizer(model.parameters(), prec.master_weights, spec, **settings)
 

@@ -24,8 +24,7 @@ import torch
 import torch.utils.checkpoint
 
 from config import UsageError
-from model import run_blocks_in_order
-from snapshot import rng_state, set_rng_state
+from model import rng_state, run_blocks_in_order, set_rng_state
 
 
 # ---------------------------------------------------------------- the naive recompute, first
@@ -81,24 +80,6 @@ def naive_recompute(fn, *args, contexts=None, stop_early=True):
 
 # ---------------------------------------------------------------- the real recompute
 
-_recompute_depth = 0  # how deep in re-run forwards the running backward is (like grad mode: state of now)
-
-
-def is_recomputing():
-    """True inside a recomputed unit's re-run (the tests tell the re-run's dropout masks with it)."""
-    return _recompute_depth > 0
-
-
-@contextmanager
-def _recomputing():
-    global _recompute_depth
-    _recompute_depth += 1
-    try:
-        yield
-    finally:
-        _recompute_depth -= 1
-
-
 def recompute(fn, *args, contexts=None, stop_early=True):
     """Call fn(*args) so that the tensors its ops save for backward are recomputed instead of kept.
 
@@ -137,9 +118,12 @@ class Unit:
         self.requires_grad = [t.requires_grad for t in tensors]  # RerunNode saves them detached
         self.device = tensors[0].device if tensors else torch.device("cpu")
         self.rng = rng_state(self.device)  # so dropout draws the same masks when re-run
-        self.autocast = _autocast_state(self.device)  # backward runs outside the caller's autocast
-        self.n_saved = 0  # slots handed out in the forward
-        self.recomputed = None  # slot -> the tensor the re-run saved there, until its node takes it
+        # backward runs outside the caller's autocast: its re-run enters the forward's again
+        self.autocast = torch.is_autocast_enabled(self.device.type) and dict(
+            device_type=self.device.type, dtype=torch.get_autocast_dtype(self.device.type),
+            cache_enabled=torch.is_autocast_cache_enabled())
+        # slots handed out in the forward; slot -> the tensor the re-run saved there, until its node takes it
+        self.n_saved, self.recomputed = 0, None
 
     def pack_forward(self, tensor):
         """The forward's pack hook: keep a number, not the tensor."""
@@ -170,16 +154,12 @@ class Unit:
         self.recomputed = {}
         if self.n_saved == 0:
             return
-        saved, inputs = iter(zip(saved_inputs, self.requires_grad)), []
-        for is_tensor, arg in zip(self.is_tensor, self.non_tensors):
-            if is_tensor:
-                t, requires_grad = next(saved)
-                arg = t.detach().requires_grad_(requires_grad)
-            inputs.append(arg)
+        saved = iter(t.detach().requires_grad_(grad) for t, grad in zip(saved_inputs, self.requires_grad))
+        inputs = [next(saved) if is_tensor else arg for is_tensor, arg in zip(self.is_tensor, self.non_tensors)]
         outer_rng = rng_state(self.device)
         set_rng_state(self.rng, self.device)
         try:
-            with torch.enable_grad(), _recomputing(), _autocast(self.autocast), self.around_rerun, \
+            with torch.enable_grad(), _autocast(self.autocast), self.around_rerun, \
                     torch.autograd.graph.saved_tensors_hooks(self.pack_rerun, _never_unpacked):
                 self.fn(*inputs)
         except _Enough:
@@ -214,13 +194,6 @@ class RerunNode(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.unit.rerun(ctx.saved_tensors)  # saved_tensors unpacks (an outer unit's slots): read once
         return (None, None, *grads) + (None,) * ctx.n_inputs
-
-
-def _autocast_state(device):
-    if not torch.is_autocast_enabled(device.type):
-        return None
-    return dict(device_type=device.type, dtype=torch.get_autocast_dtype(device.type),
-                cache_enabled=torch.is_autocast_cache_enabled())
 
 
 def _autocast(state):
@@ -337,13 +310,11 @@ def policy(cfg):
 
 
 def _checked_units(units, n_layer):
-    seen = set()
-    for unit in units:
-        if not unit or unit != list(range(unit[0], unit[-1] + 1)) or unit[0] < 0 or unit[-1] >= n_layer \
-                or seen & set(unit):
-            raise ValueError(f"a recompute unit must be a run of consecutive blocks of 0..{n_layer - 1}, "
-                             f"each block in one unit at most: got {units}")
-        seen |= set(unit)
+    blocks = [i for unit in units for i in unit]  # each a run of consecutive blocks, each block in one unit at most
+    if [] in units or any(unit != list(range(unit[0], unit[-1] + 1)) for unit in units) \
+            or len(set(blocks)) != len(blocks) or not set(blocks) <= set(range(n_layer)):
+        raise ValueError(f"a recompute unit must be a run of consecutive blocks of 0..{n_layer - 1}, "
+                         f"each block in one unit at most: got {units}")
     return units
 
 
@@ -357,9 +328,8 @@ def apply_policy(model, policy, contexts=None, recompute_fn=recompute, stop_earl
     n = len(model.h)
     units = _checked_units(policy.block_units(n), n)
     model.block_runner = _unit_runner(units, contexts, recompute_fn) if units else run_blocks_in_order
-    for block in model.h:
-        for module in block.modules():
-            module.__dict__.pop("forward", None)  # a unit of a policy applied before: the class's forward again
+    for module in model.h.modules():
+        module.__dict__.pop("forward", None)  # a unit of a policy applied before: the class's forward again
     for i, path in policy.own_submodules(n):
         module = model.h[i].get_submodule(path)
         forward = type(module).forward.__get__(module)  # the class's forward, bound to this module

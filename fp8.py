@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from backends.fp8_gemm import E4M3, E5M2, dequantize, fp8_max, scaled_mm
+from config import UsageError
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,6 @@ class FP8Linear(nn.Module):
 
     def __init__(self, in_features, out_features, bias=True, recipe="delayed", amax_history=16, margin=0):
         super().__init__()
-        if in_features % 16 or out_features % 16:
-            raise ValueError(f"fp8 needs Linear dimensions divisible by 16 (an FP8 GEMM requirement), got "
-                             f"{in_features} -> {out_features}: use an n_embd that is a multiple of 16")
         self.in_features, self.out_features = in_features, out_features
         self.recipe, self.margin = recipe, margin
         self.saturate = recipe == "delayed"  # a current scale maps the tensor's own amax onto the max: no clamp
@@ -174,3 +172,28 @@ def fold_amax(fp8_layers, across_ranks=False):
             m.step_amax.copy_(a)
     for m in fp8_layers:
         m.fold_amax()
+
+
+def check_shapes(model):
+    """Raise UsageError naming each FP8 Linear whose dimensions an FP8 GEMM cannot take (multiples of 16:
+    torch._scaled_mm's rule, as cuBLASLt's FP8 kernels have it; backends/fp8_gemm.py checks it on every device)."""
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Linear) and (odd := [n for n in (m.in_features, m.out_features) if n % 16]):
+            raise UsageError(f"precision=fp8 needs every FP8 Linear's dimensions divisible by 16 (an FP8 GEMM's "
+                             f"rule): {name} is {m.in_features} -> {m.out_features}, and {odd[0]} is not")
+
+
+def check_saved_scales(saved, model, margin, path):
+    """Raise UsageError unless a snapshot's FP8 scales (`saved`: its model entries) are what their amax histories
+    give with the snapshot's `margin` (what FP8Linear.fold_amax writes), and every amax is >= 0."""
+    for prefix, layer in model.named_modules():
+        history, scale = (saved.get(f"{prefix}.{k}") for k in ("amax_history", "scale"))
+        if not isinstance(layer, FP8Linear) or history is None or scale is None:
+            continue
+        if not bool((history >= 0).all()):
+            raise UsageError(f"snapshot {path} is not usable: model entry {prefix}.amax_history holds a negative "
+                             f"amax (an amax is a largest absolute value)")
+        expected = scale_from_amax(history.amax(0), layer.fp8_max.cpu(), margin)
+        if not torch.allclose(scale, expected, rtol=1e-6, atol=0):
+            raise UsageError(f"snapshot {path} is not usable: model entry {prefix}.scale is {scale.tolist()}, its "
+                             f"amax history gives {expected.tolist()} (fp8_max / amax / 2**fp8_margin)")

@@ -213,3 +213,20 @@ class GPT(nn.Module):
                 logits[logits < v[:, [-1]]] = -float("inf")
             idx = torch.cat((idx, torch.multinomial(F.softmax(logits, dim=-1), 1)), dim=1)
         return idx
+
+
+# ---------------------------------------------------------------- the random streams dropout draws from
+
+def rng_state(device):
+    """This process's random streams: the CPU generator, and the CUDA one on a GPU. A recompute's re-run draws
+    the forward's dropout masks again from them (checkpoint.py); a snapshot keeps them (snapshot.py)."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device):
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

@@ -4,30 +4,25 @@ Chapter section 1. Read first: `MasterWeightOptimizer` (the BF16 workflow: forwa
 16-bit parameters, AdamW on an FP32 master copy), then `LossScaler` (why FP16 needs it and BF16 does
 not: `make underflow` measures it), then `decide` (everything PRECISION decides, as one `Precision`).
 
-One optimizer step: the 16-bit gradients are cast up into FP32 and the loss scaler unscales them; one
-reduction gives the norm for clipping and the scaler's inf/NaN check; AdamW steps the FP32 master copy;
-the master copy is rounded back into the 16-bit parameters; the scaler backs off or grows. Why the master copy: an update smaller than half a 16-bit
-ulp of the weight rounds to nothing when added in 16 bits; in FP32 it adds up until it shows.
-FP8 (fp8.py) keeps BF16 parameters and this workflow; only the Linears' matmuls run in FP8.
+One optimizer step: the 16-bit gradients are cast up into FP32 (FP16's loss scaler unscales them); one
+reduction gives the norm for clipping and the inf/NaN check; AdamW steps the FP32 master copy; the master
+copy is rounded back into the 16-bit parameters (FP16: the scaler backs off or grows). Why the master copy:
+an update smaller than half a 16-bit ulp of the weight rounds to nothing when added in 16 bits; in FP32 it
+adds up until it shows. FP8 (fp8.py) keeps BF16 parameters and this workflow; only the Linears' matmuls run
+in FP8. PRECISION=auto is the fastest precision the device computes natively (`native`).
 """
 import functools
 import math
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-import fp8
-from backends import fp8_gemm, fp8_refined, fp8_te
-from fp8 import Settings as FP8Settings
 from config import UsageError
 from model import default_linear
 
 # ---------------------------------------------------------------- master weights + optimizer
-
-NORM_CHUNK = 1 << 20  # elements: the FP64 copy a norm makes of its input stays 8 MiB
-
 
 def host_value(t, assumed):
     """float(t): a host sync. A fake tensor (the ledger's trace, ledger/trace.py: shapes, no values) has no
@@ -36,9 +31,10 @@ def host_value(t, assumed):
 
 
 def squared_sum(grads):
-    """The sum of the squares of every element of `grads`, in FP64, chunk by chunk (NORM_CHUNK)."""
-    # fp64: a whole gradient (ddp) and its slices (zero.py) give the same fp32 norm, bit for bit
-    chunks = [c for g in grads for c in g.reshape(-1).split(NORM_CHUNK)]
+    """The sum of the squares of every element of `grads`, in FP64, chunk by chunk."""
+    # fp64: a whole gradient (ddp) and its slices (zero.py) give the same fp32 norm, bit for bit; in chunks of
+    # 2^20 elements, so the FP64 copy a norm makes of its input stays 8 MiB
+    chunks = [c for g in grads for c in g.reshape(-1).split(1 << 20)]
     return torch.stack(torch._foreach_norm(chunks, 2, dtype=torch.float64)).square().sum()
 
 
@@ -51,11 +47,10 @@ class MasterWeightOptimizer:
         self.grad_clip, self.master_weights, self.spec = grad_clip, master_weights, spec
         self.model_params = [p for p in params if p.requires_grad]
         self.master_params = [p.detach().float().clone().requires_grad_(True) for p in self.model_params] \
-            if master_weights else self.model_params
-        decays = self.decays(self.model_params)
-        groups = [dict(params=[m for m, d in zip(self.master_params, decays) if d], weight_decay=weight_decay),
-                  dict(params=[m for m, d in zip(self.master_params, decays) if not d], weight_decay=0.0)]
-        self.torch_optimizer = spec.build(groups, lr)
+            if master_weights else self.model_params  # fp32: the parameters are the master copy, nothing to copy
+        decays = self.decays(self.model_params)  # two groups: weight decay, none
+        self.torch_optimizer = spec.build([dict(params=[m for m, d in zip(self.master_params, decays) if d == decay],
+                                                weight_decay=weight_decay if decay else 0.0) for decay in (True, False)], lr)
 
     @staticmethod
     def decays(params):
@@ -67,17 +62,17 @@ class MasterWeightOptimizer:
             g["lr"] = lr
 
     def step(self, grads=None, scaler=None):
-        """Unscale and check for inf/NaN (the loss scaler's), clip, step the master copy, copy down. grads: one
-        per model parameter (None in it: no gradient) or None (their .grad). Returns (stepped, grad_norm)."""
-        scaler = scaler or LossScaler("none")
+        """Unscale (FP16's loss scaler), skip on inf/NaN, clip, step the master copy, copy down. grads: one per
+        model parameter (None in it: no gradient) or None (their .grad). Returns (stepped, grad_norm)."""
         grads = [p.grad for p in self.model_params] if grads is None else grads
         # a 16-bit gradient is cast up to its fp32 master's dtype (a copy); an fp32 one is used as is
         grads = [g.to(m.dtype) if g is not None else torch.zeros_like(m) for g, m in zip(grads, self.master_params)]
-        scaler.unscale_(grads)
+        if scaler:
+            scaler.unscale_(grads)
         # one reduction, one host sync, for the clip and the check. A traced step assumes a finite norm under
         # the clip: it steps (clipping would scale in place: no bytes either way)
         grad_norm = host_value(self.global_norm(grads), assumed=0.0)
-        if scaler.found_inf(grad_norm):
+        if not math.isfinite(grad_norm):  # the norm is inf/NaN exactly when some element is: skip the step
             return False, grad_norm
         if self.grad_clip > 0 and grad_norm > self.grad_clip:
             torch._foreach_mul_(grads, self.grad_clip / (grad_norm + 1e-6))
@@ -95,7 +90,7 @@ class MasterWeightOptimizer:
         return squared_sum(grads).sqrt().float()
 
     def zero_grad(self):
-        for p in self.model_params + self.master_params:
+        for p in self.model_params + (self.master_params if self.master_params is not self.model_params else []):
             p.grad = None
 
     def state_tensors(self):
@@ -111,6 +106,13 @@ class MasterWeightOptimizer:
             for m, saved in zip(self.master_params if self.master_weights else [], state["master_params"]):
                 m.copy_(saved)
         self.torch_optimizer.load_state_dict(state[self.spec.name])
+
+
+def whole_groups(params):
+    """The model's parameters in a whole-model optimizer's two groups (weight decay, none), in the order its
+    state dict numbers them: a snapshot's format, whatever the run shards (zero.py, fsdp.py)."""
+    decays = MasterWeightOptimizer.decays(params)
+    return [[p for p, d in zip(params, decays) if d], [p for p, d in zip(params, decays) if not d]]
 
 
 class AdamW:
@@ -141,7 +143,7 @@ def optimizer_spec(cfg):
 # ---------------------------------------------------------------- loss scaling
 
 class LossScaler:
-    """Multiply the loss by `loss_scale` before backward, so small FP16 gradients stay above FP16's smallest
+    """FP16's (BF16 and FP32 need none: Precision.loss_scaler is None). Multiply the loss by `loss_scale` before backward, so small FP16 gradients stay above FP16's smallest
     normal (6.1e-5; below 6e-8 they are 0), and divide it out in FP32; skip a step whose gradients hold inf/NaN.
     "dynamic": from 2^16, an overflow multiplies the scale by `backoff_factor`, `growth_interval` clean steps in a
     row by `growth_factor` (0.5 and 2: torch.amp.GradScaler's); `hysteresis` h > 1 (Megatron-LM's) tolerates
@@ -161,7 +163,7 @@ class LossScaler:
 
     def backward(self, loss):
         """Backward of loss * loss_scale: every gradient comes out multiplied by the scale."""
-        (loss * self.loss_scale).backward() if self.loss_scale != 1.0 else loss.backward()
+        (loss * self.loss_scale).backward()
 
     def step(self, optimizer, grads=None):
         """The optimizer's step (which calls the two below), then this step's back-off or growth."""
@@ -170,11 +172,7 @@ class LossScaler:
         return stepped, grad_norm
 
     def unscale_(self, grads):  # the FP32 gradients, in place
-        if self.loss_scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
-
-    def found_inf(self, grad_norm):  # the norm of all gradients is inf/NaN exactly when some element is
-        return not math.isfinite(grad_norm)
+        torch._foreach_mul_(grads, 1.0 / self.loss_scale)
 
     def update(self, found_inf):
         """After a step: count a skip and back off on overflow; grow after a run of clean steps."""
@@ -202,17 +200,24 @@ class LossScaler:
 
 
 def overflows_explained(scaler, scale):
-    """Skipped steps in a row `scaler` explains from `scale` (guards/clean_end.Divergence): hysteresis-1
-    tolerated, then one back-off each until the scale is 1 (a static scale or none: alike, no hysteresis)."""
+    """Skipped steps in a row `scaler` explains from `scale` (guards/clean_end.check_diverged): hysteresis-1
+    tolerated, then one back-off each until the scale is 1 (a static scale: alike, no hysteresis; no scaler: 0)."""
+    if scaler is None:
+        return 0
     skips = (scaler.hysteresis if scaler.mode == "dynamic" else 1) - 1
     while scale > 1:  # multiplied as `update` multiplies (a logarithm's rounding would miscount at 2^29)
         scale, skips = scale * scaler.backoff_factor, skips + 1
     return skips
 
 
-def not_written_by(scaler, state):
-    """Why a saved state (a snapshot's, its numbers checked) is not one `scaler` writes, or None."""
+def not_written_by(scaler, state, steps):
+    """Why a saved state (a snapshot's, its form checked) is not one `scaler` writes in `steps` steps, or None."""
     scale, clean = state["loss_scale"], state["clean_steps"]
+    if not 1 / 3.4028234663852886e38 <= scale <= 3.4028234663852886e38 or min(clean, state["overflows_left"]) < 0:
+        return f"loss_scale={scale!r}, clean_steps={clean}, overflows_left={state['overflows_left']}: a scale within " \
+               f"FP32's range and counts"
+    if not 0 <= state["skipped_steps"] <= steps:
+        return f"skipped_steps={state['skipped_steps']} is more than the {steps} steps taken (or negative)"
     if scaler.mode != "dynamic" and (scale != scaler.loss_scale or clean != 0):
         return f"loss_scale={scale!r}, clean_steps={clean}: loss scaling {scaler.mode} writes {scaler.loss_scale:g} and 0"
     if scaler.mode == "dynamic" and clean >= scaler.growth_interval:
@@ -232,21 +237,55 @@ def not_written_by(scaler, state):
 PARAM_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
+def native(device):
+    """(PRECISION=auto's choice on `device`, why): the fastest precision it computes natively. A GPU: BF16 from
+    compute capability 8.0, else FP16 with the dynamic loss scaler; a CPU: BF16 where torch reports AVX512-BF16
+    or AMX (oneDNN's bf16), else FP32 (emulated BF16 runs tens of times slower: PyTorch's AMP docs, CPU ops)."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():  # a GPU's step traced on a CPU (the ledger's): today's GPUs
+            return "bf16", "a GPU (none here: as from compute capability 8.0)"
+        capability = "{}.{}".format(*torch.cuda.get_device_capability(device))
+        gpu = f"{torch.cuda.get_device_name(device)} (compute capability {capability})"
+        if torch.cuda.get_device_capability(device) >= (8, 0):
+            return "bf16", f"{gpu} computes BF16"
+        return "fp16", f"{gpu} has no BF16 (8.0 and up): FP16 with the dynamic loss scaler"
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "bf16", "this CPU computes BF16 (AVX512-BF16 or AMX, as torch reports it)"
+    return "fp32", "this CPU has no BF16 instructions (AVX512-BF16 or AMX, as torch reports it)"
+
+
+def emulated(name, device):
+    """Why `name` runs emulated on `device`, many times slower than FP32 (a string), or a falsy value where it
+    computes it. FP8 on a GPU below compute capability 8.9 is refused instead (Precision.check_device)."""
+    if device.type == "cuda":
+        return name == "bf16" and native(device)[0] != "bf16" and native(device)[1]
+    if name == "fp16":
+        return not torch.ops.mkldnn._is_mkldnn_fp16_supported() and \
+            "this CPU has no FP16 instructions (AVX512-FP16 or AMX-FP16, as torch reports it)"
+    return name in ("bf16", "fp8") and native(device)[0] != "bf16" and native(device)[1]
+
+
+def decided_here(cfg):
+    """cfg with PRECISION=auto decided for the device it runs on (`native`); any other precision as asked."""
+    return cfg if cfg.precision != "auto" else replace(cfg, precision=native(torch.device(
+        "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"))[0])
+
+
 def decide(cfg):
     """The Precision of cfg: the one place that reads precision, loss_scale* and fp8_*."""
-    scaling, static_scale = cfg.loss_scale, 2.0 ** 16
-    if scaling == "auto":  # FP16's range needs scaling; BF16's (FP32's exponent) does not
-        scaling = "dynamic" if cfg.precision == "fp16" else "none"
-    elif scaling not in ("dynamic", "none"):
-        scaling, static_scale = "static", float(cfg.loss_scale)
-    settings = None
+    cfg = decided_here(cfg)
+    # FP16's range needs its loss scaled; BF16's (FP32's exponent) does not
+    mode = {"auto": "dynamic" if cfg.precision == "fp16" else "none"}.get(cfg.loss_scale, cfg.loss_scale)
+    scaling = None if mode == "none" else dict(
+        mode="dynamic" if mode == "dynamic" else "static", init_scale=2.0 ** 16 if mode == "dynamic" else float(mode),
+        growth_factor=cfg.loss_scale_growth, backoff_factor=cfg.loss_scale_backoff,
+        growth_interval=cfg.loss_scale_interval, hysteresis=cfg.loss_scale_hysteresis)
     if cfg.precision == "fp8":
-        settings = fp8.Settings(backend=cfg.fp8_backend, scaling=cfg.fp8_recipe, history=cfg.fp8_amax_history,
-                                margin=cfg.fp8_margin, grad=cfg.fp8_grad, keep_weight=cfg.fp8_keep_weight)
-    dtype = PARAM_DTYPE[cfg.precision]
-    return Precision(name=cfg.precision, param_dtype=dtype, master_weights=dtype != torch.float32,
-                  loss_scaling=scaling, static_scale=static_scale, hysteresis=cfg.loss_scale_hysteresis,
-                  growth=(cfg.loss_scale_growth, cfg.loss_scale_backoff, cfg.loss_scale_interval), fp8=settings)
+        import fp8
+    return Precision(cfg.precision, PARAM_DTYPE[cfg.precision], cfg.precision != "fp32", scaling,
+                     fp8.Settings(backend=cfg.fp8_backend, scaling=cfg.fp8_recipe, history=cfg.fp8_amax_history,
+                                  margin=cfg.fp8_margin, grad=cfg.fp8_grad, keep_weight=cfg.fp8_keep_weight)
+                     if cfg.precision == "fp8" else None)
 
 
 @dataclass(frozen=True)
@@ -256,11 +295,8 @@ class Precision:
     name: str  # fp32|bf16|fp16|fp8, for the log
     param_dtype: torch.dtype  # parameters, so activations and gradients too
     master_weights: bool  # an FP32 master copy that AdamW updates (every 16-bit precision)
-    loss_scaling: str  # none|dynamic|static
-    static_scale: float  # the scale of loss_scaling=static
-    hysteresis: int  # a dynamic scale backs off at this many overflows (1: at the first)
-    growth: tuple = (2.0, 0.5, 2000)  # a dynamic scale's growth factor, back-off factor, growth interval
-    fp8: FP8Settings = None  # the FP8 Linears' settings, or None: plain Linears
+    scaling: dict = None  # LossScaler's settings (FP16's dynamic scale, or LOSS_SCALE's), or None: no scaling
+    fp8: object = None  # the FP8 Linears' settings (fp8.Settings), or None: plain Linears
 
     @property
     def element_bytes(self):
@@ -269,8 +305,10 @@ class Precision:
 
     def linear_factory(self):
         """What model.GPT builds each Linear with: under fp8, fp8.py's FP8Linear unless a refinement is on."""
-        if self.fp8 is None:
+        if self.fp8 is None:  # nn.Linear
             return default_linear
+        import fp8
+        from backends import fp8_refined, fp8_te
         if self.fp8.backend == "te":
             return fp8_te.linear_factory(self.fp8)
         scaling = dict(recipe=self.fp8.scaling, amax_history=self.fp8.history, margin=self.fp8.margin)
@@ -288,6 +326,8 @@ class Precision:
         and, with FP8_KEEP_WEIGHT, which FP8 weight each Linear uses (fp8_refined.WEIGHT_MODES)."""
         if self.fp8 is None:
             return nullcontext()
+        import fp8
+        from backends import fp8_refined, fp8_te
         te_autocast = fp8_te.autocast(self.fp8) if self.fp8.backend == "te" else nullcontext()
         if not self.fp8.keep_weight:  # every forward quantizes W afresh (te: is_first_microbatch=None)
             return te_autocast
@@ -300,8 +340,12 @@ class Precision:
         sees the forward's tensors and scales: it quantizes them to the same bytes. FP8_KEEP_WEIGHT: it
         uses the FP8 weight its forward used and records no amax (fp8_refined.Rerun). Under TE it
         re-enters TE's FP8 autocast with TE's recompute-phase flags (fp8_te.recompute_contexts)."""
+        if self.fp8 is None:
+            return nullcontext(), nullcontext()
+        import fp8
+        from backends import fp8_refined, fp8_te
         fp8_layers = [m for module in modules for m in fp8.layers(module)]
-        if self.fp8 is None or not fp8_layers:  # a unit with no FP8 Linear (the attention core) needs nothing
+        if not fp8_layers:  # a unit with no FP8 Linear (the attention core) needs nothing
             return nullcontext(), nullcontext()
         rerun = fp8_refined.Rerun(fp8_layers) if self.fp8.keep_weight else nullcontext()
         if self.fp8.backend != "te":
@@ -316,15 +360,17 @@ class Precision:
         return self.fp8 is None or self.fp8.backend != "te"
 
     def loss_scaler(self):
-        growth_factor, backoff_factor, growth_interval = self.growth
-        return LossScaler(self.loss_scaling, init_scale=self.static_scale, growth_factor=growth_factor,
-                          backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=self.hysteresis)
+        """FP16's LossScaler (or a static or dynamic scale asked for by LOSS_SCALE); None where nothing scales."""
+        return LossScaler(**self.scaling) if self.scaling else None
 
     def check_device(self, device):
         """Raise ValueError where this precision cannot run on `device` (FP8 needs its matmul)."""
-        if self.fp8 is not None and self.fp8.backend == "te":
+        if self.fp8 is None:
+            return
+        from backends import fp8_gemm, fp8_te
+        if self.fp8.backend == "te":
             fp8_te.check_available(device)
-        elif self.fp8 is not None and (why := fp8_gemm.fp8_matmul_error(device)):
+        elif why := fp8_gemm.fp8_matmul_error(device):
             raise ValueError(f"precision=fp8 with fp8_backend=native: {why}")
 
 
@@ -350,6 +396,7 @@ def dtype_row(name, dtype):
 
 def dtype_table():
     """The chapter's table, computed: FP32, FP16, BF16 and the two FP8 formats (where torch has them)."""
+    import fp8
     rows = [("FP32", torch.float32), ("FP16", torch.float16), ("BF16", torch.bfloat16),
             ("FP8 E4M3", fp8.E4M3), ("FP8 E5M2", fp8.E5M2)]
     return [dtype_row(name, dtype) for name, dtype in rows if dtype is not None]

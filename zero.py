@@ -151,3 +151,24 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state):
         sharded_snapshot.cut_slice(self, state)
+
+
+def states_line(cfg, model, parts, world_size):
+    """Under SHARD, after the first step: what each rank holds of the states, measured (the bytes of its own
+    tensors: a DTensor's local shard), beside what every DDP rank holds (16 bytes a parameter in BF16: ZeRO's
+    Table 1). A collective (every rank calls it); rank 0's return is the line, the others' None."""
+    opt, prec = parts.optimizer, parts.precision
+    local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]
+    mine = [sum(t.numel() * t.element_size() for t in ts) for ts in
+            (local, opt.master_params if opt.master_weights and opt.master_params is not opt.model_params else [],
+             opt.state_tensors())]
+    every = [None] * world_size
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() != 0:
+        return None
+    P = sum(p.numel() for p in model.parameters())  # (a DTensor's numel is the whole parameter's)
+    ddp = [P * prec.element_bytes, P * 4 * prec.master_weights, P * 4 * len(opt.spec.per_element)]
+    show = lambda p, m, o: f"parameters {p / 2**20:.2f}, master {m / 2**20:.2f}, AdamW {o / 2**20:.2f}"  # noqa: E731
+    ranks = "; ".join(f"rank {r}: {show(*figures)}" for r, figures in enumerate(every))
+    return f"states per rank, MiB, shard={cfg.shard} over {world_size} ranks (measured): {ranks}; every DDP rank: " \
+           f"{show(*ddp)}"

@@ -1,23 +1,22 @@
-"""How a run ends early, and cleanly: divergence, Ctrl-C and SIGTERM, a second run on one out_dir.
+"""How a run ends early, and cleanly: one run per out_dir, files never half-written, a step too large for
+memory, divergence, a rank lost. Each is one line, and the last good snapshot is kept.
 
-Chapter: none; section 1's loss scaler (precision.py) skips a step whose gradients overflow,
-and this file says when skipping is no longer the scaler's doing. Read first: `Divergence`
-(the rule), then `out_dir_lock`; Ctrl-C and SIGTERM are guards/interrupts.py's.
-
-Every stop keeps the last good snapshot: a diverged run is stopped before its next snapshot
-would be written, a signal unwinds a write in progress (snapshot.write_atomically removes
-its temporary file), and the lock keeps two runs from writing one snapshot in turns.
+Not read to learn the chapter. Read train.py first: each of these is one line there. Then `out_dir_held`
+(the lock, which also proves out_dir takes a file), `write_atomically`, `within_memory`, `Divergence`
+(when skipped steps are no longer the loss scaler's doing: section 1), `lost_ranks_named`.
 """
+import dataclasses
 import errno
 import fcntl
 import math
 import os
 import re
+import resource
 import signal
 import socket
 import stat
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -25,64 +24,254 @@ import torch.distributed as dist
 
 import precision
 from config import RunError, UsageError
-from guards.interrupts import SIGNALS, Interrupted, ended, launcher_gone
-from guards.compiling import eagerly
+from guards.cli import SIGNALS, Interrupted, ended, launcher_gone, raised_through_c
+from model import GPT
 
-LOCK = ".memtrain.lock"  # in out_dir while a run uses it; its pid inside, for the refusal
-LOCK_TEXT = re.compile(rb"[0-9]{0,7}\n?")  # what a lock of ours holds (nothing yet, just made): any other is the user's
+TEMP = re.compile(r"(.+)\.partial-memtrain-([0-9]{1,7})")  # write_atomically's: TARGET.partial-memtrain-<pid>
+MEMORY_HISTORY = "memory_snapshot.pickle"  # --memory_snapshot's file in out_dir (ledger/live.py writes it)
+
+
+# ---------------------------------------------------------------- one run per out_dir
+
+@contextmanager
+def out_dir_held(folder, ours=()):
+    """Hold out_dir for a run's whole life: an exclusive flock on the folder itself, which the OS releases when
+    the process ends however it ends (kill -9 leaves no stale lock, and no file of the lock's). A second run on
+    it is refused in one line. A probe file, written and removed, shows the folder takes a file: read-only, a
+    full disk or a file in the way is refused before anything is built, and any folder made for it goes again.
+    Once held, the temporaries a killed run left of `ours` (the files written there) go."""
+    folder, fd, made = Path(folder), None, []
+    probe = folder / f".probe.partial-memtrain-{os.getpid()}"
+    try:
+        made = [p for p in [folder, *folder.parents] if not p.exists()]  # a name too long fails here
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        probe.write_bytes(b"probe")  # on a full disk: made, then ENOSPC
+        probe.unlink()
+    except OSError as e:
+        _remove([probe] + made)
+        if fd is not None:
+            os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise UsageError(f"--out_dir={folder} is in use by another run (pid {_holder(folder)}): one run per "
+                             f"out_dir, so neither overwrites the other's snapshot; wait for it or choose another "
+                             f"--out_dir") from None
+        raise UsageError(f"--out_dir={folder} cannot be written: {e.strerror or e}") from None
+    remove_stale_temps(folder, (*ours, ".probe"))  # the probe too: a run killed as it probed
+    try:
+        yield
+    finally:
+        os.close(fd)
+        _remove(made)
+
+
+def _holder(folder):
+    """The pid holding `folder`'s flock, as /proc/locks lists it by device and inode; '?' where unknown."""
+    st = os.stat(folder)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as fh:
+            return next((m.group(1) for m in re.finditer(rf"FLOCK +\w+ +WRITE +(\d+) +{where} ", fh.read())), "?")
+    except OSError:
+        return "?"
+
+
+def _remove(paths):
+    for p in paths:  # files first, then the folders made, deepest first
+        with suppress(OSError):  # a folder that holds something stays
+            p.rmdir() if p.is_dir() else p.unlink()
+
+
+# ---------------------------------------------------------------- files never half-written
+
+def write_atomically(path, write):
+    """write(fh) into a temporary file beside `path`, fsync, then rename it over `path`:
+    a crash mid-write leaves the previous file intact (or none), never a half-written one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + f".partial-memtrain-{os.getpid()}")  # a name no user file has
+    try:
+        with raised_through_c(), open(tmp, "wb") as fh:  # a Ctrl-C inside torch.save is no full disk
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def remove_stale_temps(folder, targets):
+    """Delete the temporary files of writes whose process is gone (a kill -9 mid-write): only regular files
+    directly in `folder` named TARGET.partial-memtrain-<pid> for one of `targets` (the files this program
+    writes there), so no file of the user's is taken for one."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return  # no folder (yet): nothing left over
+    for entry in entries:
+        match = TEMP.fullmatch(entry.name)
+        if match and match.group(1) in targets and entry.is_file(follow_symlinks=False) \
+                and not _alive(int(match.group(2))):
+            Path(entry.path).unlink(missing_ok=True)
+
+
+def _alive(pid):
+    if not 0 < pid <= 2 ** 22:  # Linux's largest pid (PID_MAX_LIMIT): past it, no pid of ours
+        return True  # not ours to judge, leave the file
+    if pid == os.getpid():
+        return False  # ours, from before an exec: nothing of this process writes it now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def check_writable(folder, flag):
+    """For the tools' reports: raise UsageError unless `folder` can be created and written. A probe file is
+    written and removed, and any folder made for it is removed again, so nothing is left behind."""
+    folder = Path(folder)
+    made, probe = [], None
+    try:
+        for parent in reversed([folder, *folder.parents]):
+            if not parent.exists():
+                parent.mkdir()
+                made.append(parent)
+        if not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is not a folder")
+        probe = folder / f".probe.partial-memtrain-{os.getpid()}"
+        probe.write_bytes(b"probe")  # on a full disk: created, then ENOSPC
+    except OSError as e:
+        raise UsageError(f"{flag}={folder} cannot be written: {e.strerror or e}") from None
+    finally:  # whatever failed above, nothing of the probe stays (a cleanup error must not hide the first)
+        _remove(([probe] if probe else []) + made[::-1])
+
+
+def check_reachable(folder, flag):
+    """For a rank that writes nothing there (rank 0 holds the folder at the same moment), without creating
+    anything: its nearest existing folder must be writable."""
+    for parent in [Path(folder), *Path(folder).parents]:
+        try:
+            mode = parent.stat().st_mode
+        except FileNotFoundError:
+            continue  # not there (or rank 0's folder, just removed again): look one up
+        except OSError as e:
+            raise UsageError(f"{flag}={folder} cannot be written: {e.strerror or e}") from None
+        if not stat.S_ISDIR(mode):
+            raise UsageError(f"{flag}={folder} cannot be written: {parent} is not a folder")
+        if not os.access(parent, os.W_OK | os.X_OK) and parent.exists():
+            raise UsageError(f"{flag}={folder} cannot be written: Permission denied")
+        return
+
+
+# ---------------------------------------------------------------- a step too large for memory
+
+def memory_available():
+    """Bytes of memory this machine can still give (MemAvailable; all of it where that is unknown)."""
+    try:
+        return next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                    if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_free(device):
+    """(bytes a rank may use, where): the GPU's free memory, or this node's ranks' share of the CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {torch.cuda.get_device_name(device)}"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return memory_available() // ranks, "of memory available" + (f" per rank ({ranks})" if ranks > 1 else "")
+
+
+def check_fits(cfg, device):
+    """Raise UsageError where what a step holds at the least, counted without building anything, is more than
+    `device` has free: the parameters with their gradients, FP32 master copy and optimizer states (P from
+    model.py on the meta device; a share of them per rank under SHARD), and the loss's FP32 logits. Refused in a
+    second, where building and running it would fill the memory first; the rest is `within_memory`'s."""
+    with torch.device("meta"):  # one block and two: blocks are alike (a deep model's modules take minutes to make)
+        one, two = (sum(p.numel() for p in GPT(dataclasses.replace(cfg, n_layer=n)).parameters()) for n in (1, 2))
+    prec, world = precision.decide(cfg), int(os.environ.get("WORLD_SIZE", 1)) if cfg.shard != "none" else 1
+    spec = precision.optimizer_spec(cfg)  # a parameter and its gradient, its FP32 master, the optimizer's states
+    per_parameter = 2 * prec.param_dtype.itemsize + 4 * prec.master_weights + 4 * len(spec.per_element)
+    need = (one + (cfg.n_layer - 1) * (two - one)) * per_parameter // world + \
+        4 * cfg.batch_size * cfg.block_size * cfg.vocab_size // cfg.loss_chunks
+    free, where = memory_free(device)
+    if need > free:
+        raise UsageError(f"this shape needs at least {need / 2**30:,.1f} GiB for one step (its parameters and their "
+                         f"states, its FP32 logits), {free / 2**30:,.1f} GiB {where}: make it smaller")
+
+
+@contextmanager
+def within_memory(device):
+    """Around a run: a step that needs more memory than there is ends in one line, not in the kernel's OOM
+    kill -9. On a CPU the process may map at most what it maps now plus its share of what is available
+    (RLIMIT_AS, put back after), so torch's allocation fails there as it does on a GPU."""
+    limit = resource.getrlimit(resource.RLIMIT_AS)
+    if device.type == "cpu":
+        mapped = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")  # pages, now
+        allowed = mapped + memory_free(device)[0]
+        hard = limit[1]
+        resource.setrlimit(resource.RLIMIT_AS, (allowed if hard == resource.RLIM_INFINITY else min(allowed, hard), hard))
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:
+        if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)):
+            raise
+        free, where = memory_free(device)
+        tried = re.search(r"allocate ([0-9.]+ [GMK]iB|[0-9]+ bytes)", str(e))
+        raise UsageError(f"this shape needs more than the {free / 2**30:,.1f} GiB {where} for one step (torch "
+                         f"could not allocate {tried.group(1) if tried else 'more'}): make it smaller") from None
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limit)
 
 
 # ---------------------------------------------------------------- divergence
 
 class Divergence:
-    """Watches each step's loss and whether it stepped (host values the loop has anyway: no sync).
+    """Watches each step's loss and whether it stepped (host values the loop has anyway: no sync), and stops a
+    diverged run before its next snapshot, the last good one kept.
 
-    The rule. A non-finite loss (on any rank) is divergence: no loss scale makes a forward finite.
-    A skipped step (inf/NaN gradients) is the scaler's business while the scaler can explain it
-    (precision.overflows_explained): a dynamic scaler tolerates hysteresis-1 overflows,
-    then backs off per overflow, so from scale S it is down to 1 after hysteresis-1 + ceil(log2 S)
-    skips in a row at the default back-off (it halves). One skip more
-    overflowed at a scale <= 1: the gradients are not finite even unscaled, and lowering the
-    scale further cannot help. A static scale (or none, scale 1) never moves; its run of skips
-    gets the same allowance, counted from that scale (none: 0, the first skip stops: a bf16 or
-    fp32 gradient that is inf or NaN is no overflow a scale could avoid). FP16's early overflows
-    at 2^16 take at most 16 + hysteresis-1 halvings, so they never trigger it.
-    """
+    The rule. A non-finite loss (on any rank) is divergence: no loss scale makes a forward finite. A skipped
+    step (inf/NaN gradients) is the loss scaler's business while it can explain it
+    (precision.overflows_explained): a dynamic scaler tolerates hysteresis-1 overflows, then backs off per
+    overflow, so from scale S it is down to 1 after hysteresis-1 + ceil(log2 S) skips in a row at the default
+    back-off (it halves). One skip more overflowed at a scale <= 1: the gradients are not finite even
+    unscaled. A static scale never moves; its run of skips gets the same allowance, counted from that scale.
+    No scaler (BF16, FP32): the first skip stops the run, an inf or NaN gradient no scale could avoid."""
 
-    def __init__(self, prec):
-        self.precision = prec
-        self.nonfinite = None  # (step, loss) of this rank's first non-finite loss
-        self.skips, self.scale_at_first_skip = 0, None  # the current run of skipped steps
-        self.too_many = None  # (step, skips, scale) where a run of skips passed the allowance
-
-    def allowance(self, scale):
-        return precision.overflows_explained(self.precision.loss_scaler(), scale)
+    def __init__(self, prec, optimizer=None, path=None, resumed_step=None):
+        self.scaler, self.path, self.resumed_step, self.saved_step = prec.loss_scaler(), path, resumed_step, None
+        self.nonfinite, self.skipped, self.too_many, self.done = None, [], None, resumed_step or 0  # skipped: scales
+        self.weights = optimizer.model_params + (optimizer.master_params if prec.master_weights else []) \
+            if optimizer else []
 
     def after_step(self, step, loss, stepped, scale):
         """step: the step just done (1-based); scale: the loss scale it ran with."""
+        self.done = step
         if not math.isfinite(loss) and self.nonfinite is None:
             self.nonfinite = (step, loss)
-        if stepped:
-            self.skips = 0
-            return
-        if self.skips == 0:
-            self.scale_at_first_skip = scale
-        self.skips += 1
-        if self.skips > self.allowance(self.scale_at_first_skip) and self.too_many is None:
-            self.too_many = (step, self.skips, self.scale_at_first_skip)
+        self.skipped = [] if stepped else self.skipped + [scale]
+        if self.skipped and len(self.skipped) > self.allowance(self.skipped[0]) and self.too_many is None:
+            self.too_many = (step, len(self.skipped), self.skipped[0])
 
-    def check(self, step, weights, cfg, note, probe_loss=None, world_size=1, device=None):
-        """Raise RunError (every rank alike) if the run diverged; called once per log interval and
-        before each snapshot. probe_loss: before a snapshot that would replace one, the loss its
-        weights give on a fixed batch (an update can run away with the step's loss still finite:
-        only the next forward shows it, and the good snapshot must not go for it)."""
-        finite_weights = all(bool(torch.isfinite(w).all()) for w in weights)
-        probe_bad = probe_loss is not None and not math.isfinite(probe_loss)
-        flags = [self.nonfinite is not None, self.too_many is not None, probe_bad, not finite_weights]
-        if world_size > 1:  # ranks see other losses: they decide together, so all stop or none
-            agreed = torch.tensor(flags, dtype=torch.float32, device=device)
+    def allowance(self, scale):
+        return precision.overflows_explained(self.scaler, scale)
+
+    def check(self, step, cfg, probe_loss=None):
+        """Raise RunError (every rank alike) if the run diverged; called once per log interval and before each
+        snapshot. probe_loss: before a snapshot that would replace one, the loss its weights give on a fixed
+        batch (an update can run away with the step's loss still finite: only the next forward shows it)."""
+        flags = [self.nonfinite is not None, self.too_many is not None,
+                 isinstance(probe_loss, float) and not math.isfinite(probe_loss),
+                 not all(bool(torch.isfinite(w).all()) for w in self.weights)]
+        if dist.is_initialized():  # ranks see other losses: they decide together, so all stop or none
+            agreed = torch.tensor(flags, dtype=torch.float32, device=self.weights[0].device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             flags = [bool(f) for f in agreed.tolist()]
+        if not any(flags):
+            return
         cause = f"lower --learning_rate (its peak is {cfg.learning_rate:g})"
         if cfg.weight_decay >= 1 and cfg.learning_rate * cfg.weight_decay >= 1:  # AdamW: weights x (1 - lr x wd)
             cause += f" or --weight_decay ({cfg.weight_decay:g}: lr x weight_decay >= 1 flips the weights each step)"
@@ -93,162 +282,48 @@ class Divergence:
             why = f"step {step}: the run diverged: the loss is not finite ({when}); {cause}"
         elif flags[1]:
             at, skips, scale = self.too_many
-            if self.precision.loss_scaling == "static":
+            mode = self.scaler.mode if self.scaler else "none"
+            if mode == "static":
                 cause = f"lower --loss_scale={scale:g} (or use --loss_scale=dynamic), or {cause.replace('lower ', '')}"
             why = (f"step {step}: the run diverged: {skips} steps in a row (to step {at}) were skipped for inf/NaN "
-                   f"gradients, more than the loss scale ({self.precision.loss_scaling}, {scale:g}) can explain "
+                   f"gradients, more than the loss scale ({mode}, {scale:g}) can explain "
                    f"({self.allowance(scale)}); {cause}")
-        elif flags[2]:
-            why = f"step {step}: the run diverged: the weights of this step give a loss of {probe_loss}; {cause}"
         else:
-            return
-        raise RunError(f"{why}; stopping without writing a snapshot, {note}")
-
-
-@eagerly
-@torch.no_grad()
-def probe_loss(model, batch):
-    """The loss of the current weights on a fixed batch, in eval mode (no dropout, no FP8 amax
-    recorded, no random stream drawn: a run with a probe trains exactly as one without)."""
-    model.eval()
-    loss = model(*batch)[1].item()
-    model.train()
-    return loss
-
-
-def snapshot_note(path, saved_step, resumed_step):
-    """Where the last good snapshot is, in words, for the line a stopped run ends with."""
-    if saved_step is not None:
-        return f"the last snapshot is {path} (step {saved_step})"
-    if resumed_step is not None:
-        return f"the last snapshot is {path} (step {resumed_step}, resumed from, untouched)"
-    return f"this run wrote no snapshot ({path} is as it was)" if Path(path).exists() else "no snapshot was written"
-
-
-class Guard:
-    """What stops a run cleanly, behind one name for train.train_loop: divergence (Divergence, checked
-    once per log interval and before each snapshot), the probe loss before a snapshot replaces the last
-    good one, where that snapshot is, and the step an interruption reached."""
-
-    def __init__(self, cfg, model, parts, probe_batch, device, world_size, path, resumed_step):
-        self.cfg, self.model, self.probe_batch, self.device, self.world_size = cfg, model, probe_batch, device, \
-            world_size
-        self.path, self.resumed_step, self.saved_step, self.done = path, resumed_step, None, resumed_step or 0
-        self.watch = Divergence(parts.precision)
-        opt = parts.optimizer
-        self.weights = opt.model_params + (opt.master_params if opt.master_weights else [])
-
-    def after_step(self, step, loss, stepped, scale, snapshot_due):
-        """step: the step just done (1-based); scale: the loss scale it ran with. Raises RunError."""
-        self.watch.after_step(step, loss, stepped, scale)
-        self.done = step
-        if snapshot_due or step % self.cfg.log_interval == 0:  # one host sync per log interval
-            replaces = snapshot_due and Path(self.path).exists()  # a good snapshot goes only for finite weights
-            probe = probe_loss(self.model, self.probe_batch) if replaces else None
-            self.watch.check(step, self.weights, self.cfg, self.note(), probe, self.world_size, self.device)
-
-    def saved(self, step):
-        self.saved_step = step
+            why = f"step {step}: the run diverged: the weights of this step give a loss of {probe_loss}; {cause}"
+        raise RunError(f"{why}; stopping without writing a snapshot, {self.note()}")
 
     def note(self):
-        return snapshot_note(self.path, self.saved_step, self.resumed_step)
+        """Where the last good snapshot is, in words, for the line a stopped run ends with."""
+        if self.saved_step is not None:
+            return f"the last snapshot is {self.path} (step {self.saved_step})"
+        if self.resumed_step is not None:
+            return f"the last snapshot is {self.path} (step {self.resumed_step}, resumed from, untouched)"
+        return f"this run wrote no snapshot ({self.path} is as it was)" if Path(self.path).exists() \
+            else "no snapshot was written"
 
     @contextmanager
-    def interruptible(self):
+    def interruptible(self, max_iters):
         """Ctrl-C and SIGTERM say the step reached and where the last snapshot is."""
         try:
             yield
         except Interrupted as e:
-            e.where = f"step {self.done} of {self.cfg.max_iters}; {self.note()}"
+            e.where = f"step {self.done} of {max_iters}; {self.note()}"
             raise
-
-
-# ---------------------------------------------------------------- one run per out_dir
-
-@contextmanager
-def out_dir_lock(folder):
-    """Hold out_dir for a run's whole life: an exclusive flock on out_dir/.memtrain.lock, which
-    the OS releases when the process ends however it ends (kill -9 leaves no stale lock). A second
-    run on the same out_dir is refused in one line. On the way out the lock file is removed, and
-    any folder made for it, if still empty, so a refused or failed start leaves nothing behind. A file
-    of that name that is no lock of ours (LOCK_TEXT) is the user's: refused, never written or removed."""
-    folder = Path(folder)
-    made = [p for p in [folder, *folder.parents] if not p.exists()]
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = _acquire(folder / LOCK, folder)
-    except BaseException:
-        _remove_folders(made)
-        raise
-    try:
-        yield
-    finally:
-        try:  # removed while still held: a run that opened it meanwhile sees the name is gone (_acquire)
-            (folder / LOCK).unlink()
-        except OSError:
-            pass
-        os.close(fd)
-        _remove_folders(made)
-
-
-def _acquire(path, folder):
-    while True:
-        try:  # O_NOFOLLOW: a link of that name is the user's, never written through
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.EISDIR):
-                raise _not_ours(path, folder) from None
-            raise UsageError(f"--out_dir={folder} cannot be written: {e.strerror or e}") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or not LOCK_TEXT.fullmatch(os.pread(fd, 64, 0)):
-            os.close(fd)
-            raise _not_ours(path, folder)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise UsageError(f"--out_dir={folder}: cannot lock {path}: {e.strerror or e}") from None
-            raise UsageError(f"--out_dir={folder} is in use by another run (pid {holder or '?'}): one run per "
-                             f"out_dir, so neither overwrites the other's snapshot; wait for it or choose another "
-                             f"--out_dir") from None
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            return fd
-        os.close(fd)  # its holder removed it as we opened it: lock the file now under that name
-
-
-def _not_ours(path, folder):
-    return UsageError(f"--out_dir={folder}: {path} is not a lock of this program's (one holds a pid, or nothing): "
-                      f"it is left as it is; move it, or choose another --out_dir")
-
-
-def _remove_folders(made):
-    for p in made:  # deepest first
-        try:
-            p.rmdir()
-        except OSError:
-            pass
 
 
 # ---------------------------------------------------------------- a rank, or its launcher, lost
 
 @contextmanager
 def lost_ranks_named():
-    """Around a torchrun rank's life once its process group forms: a collective that fails because
-    another rank is gone (kill -9, SIGTERM, a crash) ends this one in a line naming it, not in gloo's
-    traceback. Every rank's host and pid are gathered first (a collective: every rank enters)."""
+    """Around a torchrun rank's life once its process group forms: a collective that fails because another
+    rank is gone (kill -9, SIGTERM, a crash) ends this one in a line naming it, not in gloo's traceback.
+    Every rank's host and pid are gathered first (a collective: every rank enters)."""
     table = [None] * dist.get_world_size()
     dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
     try:
         yield
     except RuntimeError as e:  # gloo's and NCCL's errors (torch.distributed.DistError is one)
-        previous = {s: signal.signal(s, signal.SIG_IGN) for s in SIGNALS}  # torchrun's SIGTERM comes next: say it first
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in SIGNALS}  # torchrun's SIGTERM comes next
         if line := launcher_gone():  # torchrun itself is gone, and with it every rank: that is the news
             ended(line)
         gone = _gone(table, e)
@@ -256,8 +331,8 @@ def lost_ranks_named():
             for s, h in previous.items():
                 signal.signal(s, h)
             raise
-        # at once (interrupts.ended): no snapshot is being written while a collective fails, so nothing
-        # needs unwinding, and freeing the DDP wrapper now can deadlock in gloo
+        # at once (cli.ended): no snapshot is being written while a collective fails, so nothing needs
+        # unwinding, and freeing the DDP wrapper now can deadlock in gloo
         ended(f"rank {dist.get_rank()}: {gone} (killed, or it failed: its own line says why); this rank cannot go "
               f"on without it and stops; the last snapshot written is kept")
 

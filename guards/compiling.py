@@ -1,19 +1,16 @@
-"""What COMPILE=1 needs around the compiled blocks: the checks before a run, and `eagerly`.
+"""What COMPILE=1 needs installed: a C++ compiler that works (CPU) or Triton (CUDA).
 
 Chapter: none (torch.compile is beside the chapter's mechanisms, build.compile_blocks). Read
-build.compile_blocks first, then `compile_error` (what must be installed: the preflight asks it
-on every rank before anything is built), then `eagerly`. docs/compile.md has the measurements.
+build.compile_blocks first, then `compile_error` (train.py asks it on every rank before anything is
+built; train.eager keeps evaluation and sampling eager). docs/compile.md has the measurements.
 """
-import functools
-import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-# torch.compiler.set_stance, which `eagerly` stands on, is new in torch 2.6
+# torch.compiler.set_stance, which train.eager stands on, is new in torch 2.6
 COMPILE_FLOOR = (2, 6)
 
 
@@ -28,21 +25,6 @@ def compile_error(device):
         return None if has_triton() else "--compile on CUDA needs Triton (Inductor writes CUDA kernels in it): " \
                                          "install the triton that matches this torch"
     return cxx_error()
-
-
-def cache_folder_error():
-    """Why torch could not make its compile cache folder (TORCHINDUCTOR_CACHE_DIR), or None. Not only
-    COMPILE needs it: torch.optim imports torch._dynamo, which makes the folder at import."""
-    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not folder:
-        return None
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        why = "a file, not a folder" if os.path.exists(folder) and not os.path.isdir(folder) else e.strerror
-        return f"TORCHINDUCTOR_CACHE_DIR={folder}: {why}; torch keeps its compile cache there " \
-               f"(its optimizers import the compiler): set it to a folder it can make, or unset it"
-    return None
 
 
 def cxx_error():
@@ -64,16 +46,3 @@ def cxx_error():
             built = False
     return None if built else f"--compile on CPU needs a working C++ compiler: {cxx} did not build a " \
                               f"one-line program; install g++ or set CXX to one that works"
-
-
-def eagerly(fn):
-    """fn runs the blocks eagerly, compiled or not: evaluation, the probe and sampling. Each would
-    compile graphs of its own (eval mode and no grad: another graph; sampling: a new length per
-    token) for a few forward passes; COMPILE compiles the training step, once."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        if "torch._dynamo" not in sys.modules:  # nothing was compiled (and importing it has a cost)
-            return fn(*args, **kwargs)
-        with torch.compiler.set_stance("force_eager"):
-            return fn(*args, **kwargs)
-    return run

@@ -28,17 +28,6 @@ def optimizer_order(params):
     return [i for i, d in enumerate(decays) if d] + [i for i, d in enumerate(decays) if not d]
 
 
-def whole_groups(opt):
-    """The groups (weight decay, none) of a whole-model optimizer: what a snapshot's optimizer state
-    must fit (snapshot_fields.check_optimizer_fits), whatever this run shards. DDP's and FSDP's optimizer
-    have them (FSDP's shards have the whole shapes); ZeRO's holds pieces: rebuilt over the model."""
-    if isinstance(opt, precision.MasterWeightOptimizer):
-        return opt.torch_optimizer.param_groups
-    params = opt.model_params
-    order, n_decay = optimizer_order(params), sum(precision.MasterWeightOptimizer.decays(params))
-    return [dict(params=[params[i] for i in order[:n_decay]]), dict(params=[params[i] for i in order[n_decay:]])]
-
-
 def _hyperparameters(group):
     return {k: v for k, v in group.items() if k != "params"}
 
@@ -88,8 +77,8 @@ def gather_slice(opt):
         whole["state"] = {k: dict(counts, **{name: per_element[name][i] for name in spec.per_element})
                           for k, i in enumerate(optimizer_order(opt.model_params))}
     first = 0
-    for group, whole_group in zip(opt.torch_optimizer.param_groups, whole_groups(opt)):
-        n = len(whole_group["params"])
+    for group, whole_group in zip(opt.torch_optimizer.param_groups, precision.whole_groups(opt.model_params)):
+        n = len(whole_group)
         whole["param_groups"].append(dict(_hyperparameters(group), params=list(range(first, first + n))))
         first += n
     return {"master_params": masters if opt.master_weights else [], spec.name: whole}

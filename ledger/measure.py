@@ -356,20 +356,25 @@ def random_batch(cfg, device, b=None):
 def phases(model, parts, observe):
     """Call observe(name, ...) as each phase of accumulate.accumulation_step begins: "forward" (each micro-
     step's), "backward" (given the weighted loss), "gradients" (after it), "step" (the optimizer's)."""
-    scaler, opt = parts.scaler, parts.optimizer
-    backward, step = scaler.backward, opt.step
+    # FP16's backward is its scaler's (loss x scale); BF16's and FP32's the loss's own, Tensor.backward
+    scaler, opt, owner = parts.scaler, parts.optimizer, parts.scaler or torch.Tensor
+    backward, step = owner.backward, opt.step
 
-    def observed_backward(loss):
+    def observed_backward(loss, *args, **kwargs):
         observe("backward", loss)
-        backward(loss)
+        backward(loss, *args, **kwargs)
         observe("gradients")
-    scaler.backward = observed_backward  # instance attributes, deleted after: the class's methods again
+    owner.backward = observed_backward  # an instance attribute (the scaler's) or Tensor's own, put back after
     opt.step = lambda *args, **kwargs: (observe("step"), step(*args, **kwargs))[1]
     starts = model.register_forward_pre_hook(lambda module, args: observe("forward"))
     try:
         yield
     finally:
-        del scaler.backward, opt.step
+        if scaler:
+            del scaler.backward
+        else:
+            torch.Tensor.backward = backward
+        del opt.step
         starts.remove()
 
 

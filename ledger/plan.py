@@ -17,7 +17,7 @@ import torch
 import checkpoint
 import precision
 import zero
-from config import ATTENTIONS, PRECISIONS, SHARDS, UsageError, validate
+from config import PRECISIONS, UsageError, choices, validate
 from ledger import comm, trace
 from ledger.measure import MIN_BLOCK, SMALL_SIZE
 from model import GPT
@@ -304,7 +304,7 @@ LOSS_CHUNKS = (1, 4, 16, 64)  # the loss's pieces tried in order where the whole
 
 def configurations(world):
     """Every (precision, ckpt, shard, attn) to try: every sharding only over more than one rank."""
-    return [(p, c, s, a) for p in PRECISIONS for c in checkpoint.POLICIES for s in SHARDS for a in ATTENTIONS
+    return [(p, c, s, a) for p in PRECISIONS for c in checkpoint.POLICIES for s in choices("shard") for a in choices("attn")
             if world > 1 or s == "none"]
 
 

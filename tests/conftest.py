@@ -92,3 +92,21 @@ def merged(*flags):
     for flag in flags:
         out[flag.partition("=")[0]] = flag
     return list(out.values())
+
+
+def in_backward():
+    """True inside a backward pass, where a recompute's re-run runs (ours and torch.utils.checkpoint's alike):
+    autograd's current graph task, -1 outside one."""
+    import torch
+    return torch._C._current_graph_task_id() != -1
+
+
+def scaled_backward(parts, loss):
+    """A micro-step's backward as accumulate.py runs it: FP16's loss scaler scales the loss first; BF16 and FP32
+    have no scaler (parts.scaler is None) and run the loss's own."""
+    parts.scaler.backward(loss) if parts.scaler else loss.backward()
+
+
+def loss_scale(parts):
+    """The loss scale a step runs with: FP16's scaler's, 1 where there is none."""
+    return parts.scaler.loss_scale if parts.scaler else 1.0

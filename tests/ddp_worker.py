@@ -143,8 +143,8 @@ def run_train(out, rank, argv):
         kept["model"], parts = build(*a, **kw)
         return kept["model"], parts
 
-    def keep_train(cfg, log=print):
-        kept["history"] = train_loop(cfg, log)
+    def keep_train(cfg, log=print, given=None):
+        kept["history"] = train_loop(cfg, log, given)
         return kept["history"]
     train.build, train.train = keep_build, keep_train
     rc = train.main(argv)

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import accumulate  # noqa: E402
+from conftest import loss_scale  # noqa: E402
 import snapshot  # noqa: E402
 import train  # noqa: E402
 from ddp_worker import make_batches, rank_slice, tiny_config  # noqa: E402
@@ -72,7 +74,8 @@ def record_step(parts, sink):
     def recording(grads=None, scaler=None):
         seen = grads if grads is not None else [p.grad for p in parts.optimizer.model_params]
         # None: no gradient reached this parameter (the optimizer would step it with zeros)
-        grads_now = [None if g is None else whole(g).detach().float().clone() / scaler.loss_scale for g in seen]
+        grads_now = [None if g is None else whole(g).detach().float().clone() / (scaler.loss_scale if scaler else 1.0)
+                     for g in seen]
         out = step(grads, scaler)
         sink.append(dict(grads=grads_now, stepped=out[0], norm=out[1]))
         return out
@@ -153,7 +156,7 @@ def case_overflow(rank, world):
             if rank == 1:  # one element of rank 1's own shard: no other rank sees it in its .grad
                 parts.optimizer.model_params[0].grad.to_local().view(-1)[0] = float("inf")
         out = step(grads, scaler)
-        sink.append(dict(stepped=out[0], norm=out[1], scale=parts.scaler.loss_scale))
+        sink.append(dict(stepped=out[0], norm=out[1], scale=loss_scale(parts)))
         return out
     parts.optimizer.step = planting
     before = whole_params(model)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import snapshot
-from guards import files
+from guards import clean_end as files
+from guards.cli import parse_args
 import train
 from conftest import ROOT, merged
 from tools import bench, demos, ledger
@@ -115,28 +116,28 @@ CASES = [
     (["--ckpt_segment=1"], "applies to ckpt=sqrt only", None),
     (["--out_dir="], "--out_dir must name a folder", None),
     (["--n_embd=1000000"], "GiB for one step", None),
-    (["--block_size=1000000"], "GiB for one step", None),
+    (["--block_size=1000000"], "for one step", None),  # train.py: the causal mask's allocation fails (within_memory)
     (["--batch_size=1000000"], "GiB for one step", None),
-    (["--n_layer=100000"], "GiB for one step", None),
+    (["--n_layer=100000", "--n_embd=256"], "GiB for one step", None),
     (["--data=/dev/null"], "not a regular file or a folder", None),
     (["--bogus=1"], "unknown flag --bogus", None),
     (["--precision=fp64"], "--precision=fp64 is not one of", None),
-    (["--resume"], "is not usable: it holds a list", lambda state: [1, 2]),
-    (["--resume"], "'config' is a str", with_("config", "n_layer=1")),
-    (["--resume"], "it has no 'rng'", without("rng")),
-    (["--resume"], "it has no 'step'", without("step")),
-    (["--resume"], "'step' is a str", with_("step", "2")),
-    (["--resume"], "step=-5 is negative", with_("step", -5)),
-    (["--resume"], "model entry wte.weight holds inf or NaN", nan_weights),
-    (["--resume"], "the snapshot holds", shorter_masters),
+    (["--resume"], "is not usable: it is a list, not a dict", lambda state: [1, 2]),
+    (["--resume"], "its config is a str, not a dict", with_("config", "n_layer=1")),
+    (["--resume"], "it lacks rng", without("rng")),
+    (["--resume"], "it lacks step", without("step")),
+    (["--resume"], "its step='2' is no count of steps", with_("step", "2")),
+    (["--resume"], "its step=-5 is no count of steps", with_("step", -5)),
+    (["--resume"], "model['wte.weight'] holds inf or NaN", nan_weights),
+    (["--resume"], "optimizer['master_params'] holds 15, this run writes a list of 16", shorter_masters),
     (["--resume", "--max_iters=4"], "pass --lr_decay_iters=2", None),
-    (["--resume"], "config entry n_layer='1' is not Config's n_layer (int)", lambda st: {**st, "config": {**st["config"], "n_layer": "1"}}),
+    (["--resume"], "its config['n_layer'] is '1', this run writes a int", lambda st: {**st, "config": {**st["config"], "n_layer": "1"}}),
     (["--resume", "--vocab_size=300"], "vocab_size=256 (now 300)", None),
     (["--loss_scale=1e39"], "within FP32's range", None),
     (["--loss_scale=1e-320"], "within FP32's range", None),
     (["--seed=99999999999999999999"], "--seed must be <=", None),
     (["--fp8_backend=te"], "applies to precision=fp8 only", None),
-    (["--fp8_keep_weight"], "--fp8_keep_weight applies to precision=fp8 only, this run has precision=bf16", None),
+    (["--fp8_keep_weight"], "--fp8_keep_weight applies to precision=fp8 only, this run has precision=", None),
     (["--precision=fp8", "--fp8_keep_weight=maybe"], "--fp8_keep_weight expects true or false", None),
     (["--loss_scale_hysteresis=2"], "applies to dynamic loss scaling", None),
     (["--loss_scale_growth=1.5"], "--loss_scale_growth applies to dynamic loss scaling", None),
@@ -167,31 +168,23 @@ CASES = [
 
 # inputs that only train.py takes: snapshots to resume, --data and --out_dir names, K
 TRAIN_CASES = [
-    # the loss scaler's state, as `snapshot.validate` checks it (inf, NaN, 1e300 and 0 all skipped every step)
-    *[(["--resume"], f"the loss scale {v!r} is not a positive number within FP32's range",
-       nested("scaler", "loss_scale", value=v)) for v in (float("inf"), float("nan"), 1e300, 0.0)],
-    (["--resume"], "the loss scaler's state has", nested("scaler", "backward", value=1)),
-    (["--resume"], "skipped_steps='3' is not a count", nested("scaler", "skipped_steps", value="3")),
-    (["--resume"], "not what its config's scaler writes: it tolerates 5 more overflows, a hysteresis of 1 at most",
-     nested("scaler", "overflows_left", value=5)),
-    # AdamW: betas as a string, a negative step count, a moment of another shape, NaN in a moment
-    (["--resume"], "AdamW group 0 has betas='0.9, 0.95'", nested("optimizer", "adamw", "param_groups", 0, "betas",
-                                                                 value="0.9, 0.95")),
-    (["--resume"], "AdamW group 1 has lr='fast'", nested("optimizer", "adamw", "param_groups", 1, "lr", value="fast")),
-    # every hyperparameter of a group, as the run builds its optimizer: a negative eps, AMSGrad turned on
-    (["--resume"], "AdamW group 0 has eps=-1e-08, its config's is 1e-08",
-     nested("optimizer", "adamw", "param_groups", 0, "eps", value=-1e-8)),
-    (["--resume"], "AdamW group 1 has amsgrad=True, its config's is False",
-     nested("optimizer", "adamw", "param_groups", 1, "amsgrad", value=True)),
-    (["--resume"], "step=tensor(-1.) is not a whole number in [0, 2]", moment(0, "step", torch.tensor(-1.0))),
-    (["--resume"], "step=tensor(2.5000) is not a whole number", moment(0, "step", torch.tensor(2.5))),
-    (["--resume"], "exp_avg of parameter 0 has shape (3,)", moment(0, "exp_avg", torch.zeros(3))),
-    (["--resume"], "exp_avg_sq is not a finite float tensor", moment(1, "exp_avg_sq", lambda t: t * float("nan"))),
+    # AdamW's state: a negative or fractional step count, a moment of another shape, NaN in a moment (its groups'
+    # hyperparameters are the run's own: test_a_snapshots_optimizer_settings_never_reach_the_run)
+    (["--resume"], "step is no whole number in [0, 2]", moment(0, "step", torch.tensor(-1.0))),
+    (["--resume"], "step is no whole number in [0, 2]", moment(0, "step", torch.tensor(2.5))),
+    (["--resume"], "optimizer['adamw']['state'][0]['exp_avg'] is a torch.float32 tensor of shape (3,)",
+     moment(0, "exp_avg", torch.zeros(3))),
+    (["--resume"], "optimizer['adamw']['state'][1]['exp_avg_sq'] holds inf or NaN",
+     moment(1, "exp_avg_sq", lambda t: t * float("nan"))),
     (["--resume"], "exp_avg_sq is negative", moment(1, "exp_avg_sq", lambda t: -1 - t)),
-    (["--resume"], "AdamW state 99 is not a parameter's", nested("optimizer", "adamw", "state", 99,
-                                                                 value={"step": torch.tensor(1.0)})),
-    (["--resume"], "no list of FP32 master_params", nested("optimizer", "master_params", 0, value=lambda t: t.half())),
-    (["--resume"], "its random streams are not generator states", nested("rng", 0, "cpu", value=lambda t: t.float())),
+    (["--resume"], "optimizer['adamw']['state'] holds 99, which this run does not write",
+     nested("optimizer", "adamw", "state", 99, value={"step": torch.tensor(1.0)})),
+    (["--resume"], "optimizer['master_params'][0] is a torch.float16 tensor",
+     nested("optimizer", "master_params", 0, value=lambda t: t.half())),
+    (["--resume"], "its random streams[0]['cpu'] is a torch.float32 tensor", nested("rng", 0, "cpu",
+                                                                                   value=lambda t: t.float())),
+    (["--resume"], "optimizer['adamw']['param_groups'][1] is not this run's group of parameters",
+     nested("optimizer", "adamw", "param_groups", 1, "params", value=lambda ids: ids[::-1])),
     # the saved config, through config.validate: for --resume and --sample_only alike
     *[(flags, words, in_config(**entry)) for flags in (["--resume"], ["--sample_only"]) for entry, words in [
         (dict(n_head=3), "its config: n_head=3 does not divide n_embd=32"),
@@ -209,28 +202,29 @@ TRAIN_CASES = [
     ([f"--out_dir=/tmp/{'o' * 300}"], "cannot be written: File name too long", None),
     ([f"--data=/tmp/{'d' * 300}"], "File name too long", None),
     # K: past 2^24 micro-steps nothing adds up; micro-batches held at once must fit in memory
-    (["--accum=100000000"], "accum=100000000 micro-steps per optimizer step: past 2^24", None),
+    (["--accum=100000000"], "--accum must be <= 16777216, got 100000000", None),
     (["--total_batch_tokens=10000000000"], "total_batch_tokens=10000000000 is accum=156250000 micro-steps", None),
     (["--accum=16000000", "--loss_norm=tokens", "--batch_size=100"], "GiB at once, more than half the", None),
     # --sample_only reads the model from the snapshot: the training flags are refused, named
     (["--sample_only", "--n_layer=2"], "--n_layer would be ignored; only --device, --out_dir, --sample_tokens", None),
     # the model's tensors, against what this run writes: dtype (copy_ would cast them silently), layout
     # (a sparse tensor was a dispatcher traceback), and the optimizer's moments alike
-    *[(flags, f"model entry wte.weight is a {dtype} tensor, this run writes torch.bfloat16",
+    *[(flags, f"model['wte.weight'] is a {dtype} tensor of shape (256, 32), this run writes",
        model_entry("wte.weight", lambda t, d=dtype: (t * 3).to(d)))
       for dtype in (torch.int64, torch.uint8, torch.bool, torch.complex64)
       for flags in (["--resume"], ["--sample_only"])],
-    *[(flags, "model entry wte.weight is a sparse tensor (torch.sparse_coo), a snapshot holds dense ones",
+    *[(flags, "model['wte.weight'] is torch.sparse_coo, not a dense tensor",
        model_entry("wte.weight", lambda t: t.to_sparse())) for flags in (["--resume"], ["--sample_only"])],
-    (["--resume"], "AdamW state 0: exp_avg is not a dense FP32 tensor", moment(0, "exp_avg", lambda t: t.to_sparse())),
-    (["--resume"], "AdamW state 0: exp_avg is not a dense FP32 tensor", moment(0, "exp_avg", lambda t: t.bfloat16())),
-    # the config holds every key (the learning rate's schedule too), the loss scaler what its config's writes
+    (["--resume"], "optimizer['adamw']['state'][0]['exp_avg'] is torch.sparse_coo, not a dense tensor",
+     moment(0, "exp_avg", lambda t: t.to_sparse())),
+    (["--resume"], "optimizer['adamw']['state'][0]['exp_avg'] is a torch.bfloat16 tensor",
+     moment(0, "exp_avg", lambda t: t.bfloat16())),
+    # the config holds every key (the learning rate's schedule too)
     (["--resume"], "its config lacks lr_decay_iters, max_iters, warmup_iters", lambda st: {**st, "config": {
         k: v for k, v in st["config"].items() if k not in ("max_iters", "lr_decay_iters", "warmup_iters")}}),
-    (["--resume"], "loss_scale=1024.0, clean_steps=0: loss scaling none writes 1 and 0",
-     nested("scaler", "loss_scale", value=1024.0)),
-    (["--resume"], "clean_steps=5", nested("scaler", "clean_steps", value=5)),
-    (["--resume"], "skipped_steps=3 is more than the 2 steps taken", nested("scaler", "skipped_steps", value=3)),
+    # a loss scaler's state where this run keeps none (BF16, FP32; FP16's: test_bad_scaler_state_leaves_everything_alone)
+    (["--resume"], "its loss scaler is {'loss_scale': 1024.0}, this run writes a NoneType",
+     with_("scaler", {"loss_scale": 1024.0})),
     # finite weights whose logits overflow: torch.multinomial's RuntimeError was the traceback of `make sample`
     (["--sample_only"], "is not usable: no sample: the weights give inf or NaN probabilities",
      lambda st: {**st, "model": {k: v * 1e30 if v.is_floating_point() else v for k, v in st["model"].items()}}),
@@ -308,7 +302,7 @@ FP8_CASES = [
     (["--resume"], "scale is [3.0000000054977558e+38, ", fp8_buffer("scale", 3e38)),
     (["--sample_only"], "scale is [3.0000000054977558e+38, ", fp8_buffer("scale", 3e38)),
     (["--resume"], "amax_history holds a negative amax", fp8_buffer("amax_history", -5.0)),
-    (["--resume"], "amax_history is a torch.bfloat16 tensor, this run writes torch.float32",
+    (["--resume"], "amax_history'] is a torch.bfloat16 tensor of shape (16, 3), this run writes torch.float32",
      lambda st: fp8_buffer("amax_history", 1.0)(st) and {**st, "model": {
          k: v.bfloat16() if k.endswith("amax_history") else v for k, v in st["model"].items()}}),
 ]
@@ -327,6 +321,56 @@ def test_bad_fp8_state_leaves_everything_alone(flags, words, damage, good_fp8_ru
     shutil.copytree(good_fp8_run, out)
     refused_as_given("train.py", flags + (["--precision=fp8"] if "--resume" in flags else []), words, damage, out,
                      capsys)
+
+
+# FP16's loss scaler: its state, against what the run's scaler writes (the scale within FP32's range, the counts)
+SCALER_CASES = [
+    *[(["--resume"], f"its loss scaler['loss_scale'] is {v!r}, this run writes a float", nested("scaler", "loss_scale",
+                                                                                              value=v))
+      for v in (float("inf"), float("nan"))],
+    *[(["--resume"], f"loss_scale={v!r}, clean_steps=2, overflows_left=2: a scale within FP32's range",
+       nested("scaler", "loss_scale", value=v)) for v in (1e300, 0.0)],
+    (["--resume"], "its loss scaler holds backward, which this run does not write", nested("scaler", "backward",
+                                                                                         value=1)),
+    (["--resume"], "its loss scaler['skipped_steps'] is '3', this run writes a int",
+     nested("scaler", "skipped_steps", value="3")),
+    (["--resume"], "it tolerates 5 more overflows, a hysteresis of 2 at most", nested("scaler", "overflows_left",
+                                                                                      value=5)),
+    (["--resume"], "loss_scale=1000.0 is no power of two", nested("scaler", "loss_scale", value=1000.0)),
+    (["--resume"], "clean_steps=2000: 2000 in a row grow the scale", nested("scaler", "clean_steps", value=2000)),
+    (["--resume"], "skipped_steps=3 is more than the 2 steps taken", nested("scaler", "skipped_steps", value=3)),
+]
+
+
+@pytest.fixture(scope="session")
+def good_fp16_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("good_fp16")
+    assert train.main(merged(*TINY, f"--out_dir={out}", "--precision=fp16", "--loss_scale_hysteresis=2")) == 0
+    return out
+
+
+@pytest.mark.parametrize("flags,words,damage", SCALER_CASES, ids=case_ids(SCALER_CASES))
+def test_bad_scaler_state_leaves_everything_alone(flags, words, damage, good_fp16_run, tmp_path, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(good_fp16_run, out)
+    refused_as_given("train.py", flags, words, damage, out, capsys)
+
+
+def test_a_snapshots_optimizer_settings_never_reach_the_run(out_dir):
+    """AdamW's saved groups carry its hyperparameters (betas, eps, amsgrad, lr); the resumed run's own, from its
+    config, replace them: a damaged group's settings (a string for betas, a negative eps, AMSGrad on) never
+    reach the optimizer, and the run goes on as its config says."""
+    def damage(state):
+        for group in state["optimizer"]["adamw"]["param_groups"]:
+            group.update(betas="0.9, 0.95", eps=-1e-8, amsgrad=True, lr="fast")
+        return state
+    broken_snapshot(out_dir, damage)
+    history = train.train(parse_args(merged(*TINY, f"--out_dir={out_dir}", "--resume", "--max_iters=3",
+                                            "--lr_decay_iters=2")), log=lambda line: None)
+    groups = torch.load(out_dir / snapshot.FILE, weights_only=True)["optimizer"]["adamw"]["param_groups"]
+    assert [h["step"] for h in history] == [3] and all(
+        tuple(g["betas"]) == (0.9, 0.95) and g["eps"] == 1e-8 and g["amsgrad"] is False for g in groups), \
+        f"the resumed run took the snapshot's damaged settings: {groups}"
 
 
 @pytest.mark.parametrize("flags", [["--resume"], ["--sample_only"]])

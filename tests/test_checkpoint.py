@@ -4,6 +4,7 @@ torch.utils.checkpoint (use_reentrant=False) is the oracle here, never the imple
 Everything runs in FP32 (or BF16) on CPU, where recompute must be bit-exact: the re-run
 forward does the same ops on the same inputs with the same dropout masks.
 """
+from conftest import in_backward
 import math
 
 import pytest
@@ -241,8 +242,8 @@ def test_the_naive_recompute_keeps_only_its_inputs():
 
 
 def test_the_ckpt_impl_choices_are_checkpoints():
-    from config import CKPT_IMPLS
-    assert set(CKPT_IMPLS) == set(checkpoint.IMPLEMENTATIONS)
+    from config import choices
+    assert set(choices("ckpt_impl")) == set(checkpoint.IMPLEMENTATIONS)
 
 
 @pytest.mark.parametrize("policy,segment", [("full", 0), ("sqrt", 0), ("selective", 0)])
@@ -253,7 +254,7 @@ def test_recomputed_dropout_masks_equal_the_forward_masks(policy, segment, monke
 
     def recording_dropout(input, p=0.5, training=True, inplace=False):
         out = dropout(input, p, training, inplace)
-        masks.append((checkpoint.is_recomputing(), out == 0))
+        masks.append((in_backward(), out == 0))
         return out
     monkeypatch.setattr(F, "dropout", recording_dropout)  # nn.Dropout and model.core both call F.dropout
     model = make_model(policy, segment, dropout=p)
@@ -376,7 +377,7 @@ def test_recompute_non_tensor_args_and_a_closed_over_weight():
     seen = []
 
     def fn(x, scale, act, bias, mode):
-        seen.append(checkpoint.is_recomputing())
+        seen.append(in_backward())
         h = act(F.dropout(x @ w, 0.3) * scale)
         return h + 1.0 if (bias is None and mode == "plus") else h
 
@@ -471,7 +472,7 @@ def test_recompute_contexts_wrap_the_forward_and_the_rerun():
         return Tag("forward"), Tag("rerun")
 
     x = torch.randn(4, requires_grad=True)
-    fn = lambda t: (log.append((list(state), checkpoint.is_recomputing())) or t.sin())  # noqa: E731
+    fn = lambda t: (log.append((list(state), in_backward())) or t.sin())  # noqa: E731
     out = checkpoint.recompute(fn, x, contexts=make)
     core = checkpoint.recompute(fn, x)  # selective's unit: no precision context
     (out + core).sum().backward()

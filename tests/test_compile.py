@@ -25,6 +25,7 @@ import torch
 
 import accumulate
 import checkpoint
+import data
 import flops
 import memory_ledger
 import train
@@ -265,12 +266,12 @@ def test_what_cannot_compile_is_refused_in_one_line(monkeypatch):
 def test_hfu_counts_what_a_compiled_rerun_runs(ckpt):
     # a compiled block saves its tensors at the end of its forward, so our re-run's early stop skips nothing
     # inside it (HFU counts the whole block again); a recomputed core stays eager and still stops early
-    from guards.report import Report
+    from train import Report
     reports = {}
     for compiled in (False, True):
         cfg = config(precision="fp32", ckpt=ckpt, compile=compiled, peak_flops=1e12)
         model, parts = train.build(cfg, torch.device("cpu"))
-        reports[compiled] = Report(cfg, model, parts, torch.device("cpu"), 1, 1, 0, (0, 0), log=lambda line: None)
+        reports[compiled] = Report(cfg, model, parts, torch.device("cpu"), 1, 1, 0, log=None)
     whole = sum(flops.per_token(cfg, stop_early=False))  # the model's FLOPs and a whole re-run of every unit
     if ckpt == "full":
         assert reports[True].hw_flops_per_token == whole > reports[False].hw_flops_per_token, \
@@ -302,10 +303,7 @@ def test_evaluation_and_sampling_run_eagerly():
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0, "the training step compiled no graph"
 
-    class Fixed:
-        def next(self):
-            return batches(1)[0]
-    train.estimate_loss(model, Fixed(), 1, parts.precision)
-    train.sample(model, torch.device("cpu"), 3)
+    train.estimate_loss(model, data.load_tokens(""), cfg, parts.precision, iters=1)
+    train.sample(model, torch.device("cpu"), 3, compiled=True)
     assert counters["stats"]["unique_graphs"] == graphs, \
         f"evaluation and sampling compiled {counters['stats']['unique_graphs'] - graphs} graphs of their own"

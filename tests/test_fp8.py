@@ -23,9 +23,11 @@ import fp8
 from backends import fp8_gemm, fp8_refined, fp8_te
 import train
 from guards.cli import parse_args
-from conftest import ROOT, merged
+from conftest import ROOT, in_backward, merged, scaled_backward
 from ledger import measure
 from fp8 import E4M3, E5M2, FP8Linear
+from config import Config, UsageError
+from model import GPT
 
 # make test gives each file to one xdist worker (--dist loadfile), and the fixtures here are
 # session-wide: a worker runs other files' tests in between, which would end a module's
@@ -325,12 +327,17 @@ def test_fp8_saves_one_byte_input_for_backward(cls):
     assert all(t.dim() == 0 or t is layer.weight or t.data_ptr() == layer.weight.data_ptr() for t in others)
 
 
-def test_fp8_rejects_dims_not_multiple_of_16(tmp_path, capsys):
-    with pytest.raises(ValueError, match="divisible by 16"):
-        FP8Linear(40, 64)
+def test_fp8_rejects_dims_not_multiple_of_16_naming_the_linear(tmp_path, capsys):
+    """An FP8 GEMM takes dimensions in multiples of 16: a model with another is refused in one line that names
+    the Linear and the dimension (SwiGLU at 8/3 of the width: 170 at width 64, n_embd itself a multiple of 16)."""
     rc = train.main(merged(*TINY, f"--out_dir={tmp_path}", "--precision=fp8", "--n_embd=40", "--max_iters=1"))
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and "16" in err
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "h.0.attn.c_attn is 40 -> 120, and 40 is not" in err, err
+    model = GPT(Config(n_layer=1, n_head=2, n_embd=64, block_size=16), linear_factory=FP8Linear)
+    model.h[0].mlp.c_fc = FP8Linear(64, 170)
+    with pytest.raises(UsageError, match=r"h\.0\.mlp\.c_fc is 64 -> 170, and 170 is not"):
+        fp8.check_shapes(model)
 
 
 # ---------------------------------------------------------------- the delayed recipe, step by step
@@ -688,7 +695,7 @@ def test_fp8_model_gradients_reach_every_parameter(tmp_path):
         x, y = batches_of(cfg).next()
         with parts.precision.forward_context(model):
             _, loss = model(x, y)
-        parts.scaler.backward(loss)
+        scaled_backward(parts, loss)
         grads[prec] = {n: p.grad for n, p in model.named_parameters()}
     for name, g in grads["fp8"].items():
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0, name
@@ -717,7 +724,7 @@ def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe, 
         model, parts = train.build(cfg, torch.device("cpu"))
         calls = []  # (module, recomputing?, output) per FP8Linear forward
         for m in parts.fp8_layers:
-            m.register_forward_hook(lambda mod, inp, out: calls.append((mod, checkpoint.is_recomputing(), out)))
+            m.register_forward_hook(lambda mod, inp, out: calls.append((mod, in_backward(), out)))
         batches = batches_of(cfg)
         grads, records = [], []
         for step in range(3):
@@ -725,7 +732,7 @@ def test_fp8_recompute_identical_grads_and_amax_once_per_step(tmp_path, recipe, 
             x, y = batches.next()
             with parts.precision.forward_context(model):
                 _, loss = model(x, y)
-            parts.scaler.backward(loss)
+            scaled_backward(parts, loss)
             grads.append([p.grad.clone() for p in model.parameters()])
             records.append([(m.step_amax.clone(), getattr(m, "recorded_forwards", 1)) for m in parts.fp8_layers])
             if ckpt == "full":
@@ -760,7 +767,7 @@ def test_fp8_buffers_go_in_snapshots(tmp_path):
     model, parts = train.build(cfg, torch.device("cpu"))
     x, y = batches_of(cfg).next()
     _, loss = model(x, y)
-    parts.scaler.backward(loss)
+    scaled_backward(parts, loss)
     accumulate.optimizer_step(parts)
     sd = model.state_dict()
     keys = [k for k in sd if k.endswith(("amax_history", "scale"))]
@@ -854,7 +861,7 @@ def test_te_recompute_reenters_the_autocast_in_the_recompute_phase(tmp_path, fak
     # TE's modules put their scales back only as their forward returns: no re-run may stop inside one
     returned = []
     for layer in fp8.layers(model):
-        layer.register_forward_hook(lambda *_: returned.append(checkpoint.is_recomputing()))
+        layer.register_forward_hook(lambda *_: returned.append(in_backward()))
     assert not parts.precision.rerun_stops_early
     accumulate.accumulation_step(model, parts, [batches.next() for _ in range(2)])
     assert returned.count(True) == 2 * n  # every layer's re-run returned, the units' last ones too

@@ -19,9 +19,8 @@ from guards import cli
 from backends import fp8_te
 from guards.cli import parse_args
 from conftest import ROOT, merged
-from guards import preflight
 from ledger import gpus
-from guards import report as ledger_run
+from ledger import live as ledger_run
 from tools import bench, gpu_check
 
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--max_iters=1",
@@ -111,18 +110,18 @@ def test_gpu_check_summary_reads_the_ledger_and_bench_files(tmp_path):
 def test_the_fast_configuration_names_the_peak_its_mfu_divides_by(monkeypatch):
     cfg = cli.parse_args(bench.FAST)
     assert (cfg.precision, cfg.attn, cfg.n_layer, cfg.n_embd, cfg.block_size) == ("bf16", "sdpa", 12, 768, 1024)
-    prec = precision.decide(cfg)
-    assert "measured" in bench.peak_source(cfg, prec, torch.device("cpu"), 1.0)
-    assert bench.peak_source(parse_args(["--peak_flops=1e15"]), prec, torch.device("cpu"), 1e15) == "--peak_flops"
+    prec, small = precision.decide(cfg), torch.nn.Linear(8, 8)  # the CPU's rate is measured on the model's weights
+    assert "measured" in flops.peak(cfg, prec, small, torch.device("cpu"))[1]
+    assert flops.peak(parse_args(["--peak_flops=1e15"]), prec, small, torch.device("cpu")) == (1e15, "--peak_flops")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    peak = flops.peak_flops(cfg, prec, torch.device("cuda"))
+    peak, source = flops.peak(cfg, prec, small, torch.device("cuda"))
     assert peak == gpus.tflops("H200")["bf16"] * 1e12, f"H200's bf16 peak {peak:,} FLOP/s, not ledger/gpus.py's"
-    assert bench.peak_source(cfg, prec, torch.device("cuda"), peak) == "NVIDIA H200, dense bf16 (ledger/gpus.py)"
+    assert source == "H200's datasheet, bf16 dense", source
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 NVL")
-    assert flops.peak_flops(cfg, prec, torch.device("cuda")) == gpus.tflops("H100-NVL")["bf16"] * 1e12, \
+    assert flops.peak(cfg, prec, small, torch.device("cuda"))[0] == gpus.tflops("H100-NVL")["bf16"] * 1e12, \
         "an H100 NVL read as another card"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Made-Up 9000")
-    assert flops.peak_flops(cfg, prec, torch.device("cuda")) == 0.0, "an unknown GPU given another's peak"
+    assert flops.peak(cfg, prec, small, torch.device("cuda"))[0] == 0.0, "an unknown GPU given another's peak"
 
 
 # ---------------------------------------------------------------- the allocator's history: Python stacks
@@ -156,12 +155,12 @@ def test_more_ranks_than_gpus_is_refused_in_one_line(tmp_path, capsys, monkeypat
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "localhost")  # torchrun sets these too (cli.run refuses RANK without them)
     monkeypatch.setenv("MASTER_PORT", "29500")
-    rc = train.main([*TINY, f"--out_dir={tmp_path / 'out'}"])
+    rc = train.main([*TINY, "--precision=fp32", f"--out_dir={tmp_path / 'out'}"])  # (auto would ask the GPU)
     err = capsys.readouterr().err
     assert rc == 2 and one_error_line(err), err
     assert "LOCAL_RANK=1" in err and "1 CUDA device" in err and "NPROC=1" in err
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert train.pick_device(parse_args(TINY), 0) == torch.device("cuda", 0)  # rank 0 has its GPU
+    assert train.pick_device(parse_args([*TINY, "--precision=fp32"]), 0) == torch.device("cuda", 0)  # rank 0's GPU
 
 
 # ---------------------------------------------------------------- a Transformer Engine that does not import
@@ -200,7 +199,7 @@ def test_transformer_engine_not_installed_still_says_how_to_install(monkeypatch)
 @pytest.mark.parametrize("version,refused", [("2.3.1+cu121", True), ("1.13.1", True), ("2.4.0", False),
                                              ("2.11.0+cu130", False), ("2.15.0a0+git1234", False)])
 def test_torch_floor(version, refused):
-    assert (preflight.torch_floor_error(version) is not None) == refused
+    assert (cli.torch_floor_error(version) is not None) == refused
 
 
 def test_a_torch_below_the_floor_is_refused_at_start_in_one_line(tmp_path, capsys, monkeypatch):
@@ -213,7 +212,7 @@ def test_a_torch_below_the_floor_is_refused_at_start_in_one_line(tmp_path, capsy
 
 def test_the_floor_is_the_api_it_names():
     """checkpoint.py calls torch.get_autocast_dtype(device_type), which torch 2.4 added."""
-    assert "torch.get_autocast_dtype(device.type)" in (ROOT / "checkpoint.py").read_text()
+    assert "torch.get_autocast_dtype(self.device.type)" in (ROOT / "checkpoint.py").read_text()
     assert torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 

@@ -14,10 +14,13 @@ import precision
 import train
 from config import Config, UsageError
 from guards.cli import parse_args
-from conftest import ROOT, merged
+from conftest import ROOT, loss_scale, merged, scaled_backward
 from fp8 import E4M3, E5M2
 from precision import LossScaler, MasterWeightOptimizer
 from tools import demos
+from backends import fp8_refined
+from model import default_linear
+import fp8
 
 # make test gives each file to one xdist worker (--dist loadfile), and the fixtures here are
 # session-wide: a worker runs other files' tests in between, which would end a module's
@@ -142,7 +145,7 @@ def test_the_overflows_a_scaler_explains_are_its_own_count(hysteresis):
 def test_scaler_from_config_modes():
     scaler = lambda loss_scale, prec: precision.decide(Config(loss_scale=loss_scale, precision=prec)).loss_scaler()
     assert scaler("auto", "fp16").mode == "dynamic"
-    assert scaler("auto", "bf16").loss_scale == 1.0
+    assert scaler("auto", "bf16") is None, "BF16 scales no loss"
     assert scaler("1024", "fp16").loss_scale == 1024.0
     for bad in ("-1", "inf", "big"):
         with pytest.raises(UsageError):
@@ -249,10 +252,10 @@ def test_fp16_without_scaling_underflows_as_the_demo_reports(tmp_path):
         model, parts = train.build(tiny_cfg(tmp_path, "--precision=fp16", f"--loss_scale={mode}", *common))
         with parts.precision.forward_context(model):
             _, loss = model(x, y)
-        parts.scaler.backward(loss)  # the trainer's own path: loss * scale, backward in FP16
+        scaled_backward(parts, loss)  # the trainer's own path: loss * scale, backward in FP16
         shares[mode] = lost_share([p.grad for p in model.parameters()], ref, torch.float16)
         # the demonstration measures the same thing for the same model and batch
-        demo = demos.gradient_underflow(ref_model, x, y, torch.float16, parts.scaler.loss_scale, ref)
+        demo = demos.gradient_underflow(ref_model, x, y, torch.float16, loss_scale(parts), ref)
         assert demo["lost"] == pytest.approx(shares[mode], abs=1e-12)
     bf16 = demos.gradient_underflow(ref_model, x, y, torch.bfloat16, 1.0, ref)
     assert shares["none"] > 0.01  # a visible share of the gradient is gone or nearly so
@@ -287,3 +290,40 @@ def test_cli_bad_argument_exits_2():
     r = subprocess.run([sys.executable, "tools/demos.py", "--bogus"], cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("error:") and r.stderr.count("\n") == 1
+
+
+# ---------------------------------------------------------------- what PRECISION decides, once
+
+@pytest.mark.parametrize("prec,dtype,master,scaler,linear", [
+    ("fp32", torch.float32, False, None, torch.nn.Linear),
+    ("bf16", torch.bfloat16, True, None, torch.nn.Linear),
+    ("fp16", torch.float16, True, "dynamic", torch.nn.Linear),
+    ("fp8", torch.bfloat16, True, None, fp8.FP8Linear),  # fp8.py's own: no refinement is on
+])
+def test_what_each_precision_decides(prec, dtype, master, scaler, linear):
+    decided = precision.decide(Config(precision=prec))
+    assert decided.param_dtype == dtype and decided.master_weights == master
+    assert getattr(decided.loss_scaler(), "mode", None) == scaler, "FP16 scales its loss; BF16, FP32 and FP8 need not"
+    assert decided.element_bytes == torch.empty((), dtype=dtype).element_size()
+    layer = decided.linear_factory()(32, 16, True)
+    assert type(layer) is linear
+    assert (decided.fp8 is not None) == (prec == "fp8")
+    if prec != "fp8":
+        assert decided.linear_factory() is default_linear
+
+
+@pytest.mark.parametrize("flags,linear", [({}, fp8.FP8Linear), (dict(fp8_keep_weight=True), fp8_refined.FP8Linear),
+                                          (dict(fp8_grad="e5m2"), fp8_refined.FP8Linear)])
+def test_fp8_builds_fp8pys_layer_unless_a_refinement_is_on(flags, linear):
+    """The plain path is the default path: PRECISION=fp8 alone builds the layer fp8.py's reader reads."""
+    layer = precision.decide(Config(precision="fp8", **flags)).linear_factory()(32, 16, True)
+    built, wanted = (f"{c.__module__}.{c.__name__}" for c in (type(layer), linear))
+    assert built == wanted, f"precision=fp8 with {flags or 'no other flag'} built {built}, not {wanted}"
+
+
+def test_a_precision_is_decided_once_from_the_loss_scale_keys():
+    assert precision.decide(Config(precision="bf16", loss_scale="dynamic")).loss_scaler().mode == "dynamic"
+    static = precision.decide(Config(precision="fp16", loss_scale="1024")).loss_scaler()
+    assert static.mode == "static" and static.loss_scale == 1024.0
+    te = precision.decide(Config(precision="fp8", fp8_backend="te", fp8_recipe="current", fp8_amax_history=4))
+    assert te.fp8 == fp8.Settings(backend="te", scaling="current", history=4, margin=0, grad="bf16")

@@ -1,7 +1,9 @@
 """The trainer: it learns, BF16 with master weights tracks FP32, resume is bit-identical,
 snapshots are atomic, and bad input is one line and exit status 2."""
+import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -9,13 +11,13 @@ import torch
 
 import accumulate
 import data
-from guards import data_files
+import flops
 import precision
 import snapshot
 import train
 from config import Config
 from guards.cli import parse_args
-from conftest import ROOT, merged
+from conftest import ROOT, merged, scaled_backward
 
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64", "--batch_size=8", "--sample_tokens=0",
         "--ledger=false", "--log_interval=1000", "--eval_interval=1000"]
@@ -50,7 +52,7 @@ def test_bf16_params_and_fp32_master_after_steps(tmp_path):
     x = torch.randint(0, 256, (2, 64))
     before = [m.clone() for m in opt.master_params]
     for _ in range(2):
-        parts.scaler.backward(model(x, x)[1])
+        scaled_backward(parts, model(x, x)[1])
         assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())  # 16-bit gradients
         assert accumulate.optimizer_step(parts)[0]
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
@@ -121,14 +123,15 @@ def test_interrupted_snapshot_write_leaves_previous_loadable(tmp_path, monkeypat
 
 def test_default_data_is_stdlib_bytes_cached_once(tmp_path):
     tokens = data.load_tokens("", cache_dir=tmp_path)
-    assert isinstance(tokens, data_files.FileTokens) and np.asarray(tokens[:10]).dtype == np.uint8  # read as needed
-    files = data_files.stdlib_files()
+    assert isinstance(tokens, np.ndarray) and tokens.dtype == np.uint8  # the cache, read whole (about 31 MB)
+    files = data.stdlib_files()
     assert len(tokens) == sum(f.stat().st_size for f in files) > 10_000_000
     assert all("site-packages" not in f.parts for f in files)
-    assert np.asarray(tokens[:100]).tobytes() == files[0].read_bytes()[:100]
-    assert len(list(tmp_path.iterdir())) == 1  # one cache file, no temporaries left
-    again = data.load_tokens("", cache_dir=tmp_path)
-    assert again.path == tokens.path
+    assert tokens[:100].tobytes() == files[0].read_bytes()[:100]
+    cached = list(tmp_path.iterdir())
+    assert len(cached) == 1  # one cache file, no temporaries left
+    cached[0].write_bytes(cached[0].read_bytes()[:1000])  # the cache is what is read: not written again
+    assert len(data.load_tokens("", cache_dir=tmp_path)) == 1000
 
 
 def test_batches_are_seeded_windows(tmp_path):
@@ -270,3 +273,77 @@ def test_residual_projections_are_scaled_by_their_mark_not_their_name(monkeypatc
             assert abs(p.std().item() / scaled - 1) < 0.05, f"{name}: std {p.std().item():.4f}, expected {scaled:.4f}"
         elif name.endswith("up.weight"):
             assert abs(p.std().item() / 0.02 - 1) < 0.05, f"{name}: std {p.std().item():.4f}, expected 0.02"
+
+
+# ---------------------------------------------------------------- the learner's own machine
+
+def test_auto_is_what_this_cpu_computes_and_an_emulated_precision_says_so(tmp_path):
+    """PRECISION=auto (the default) is BF16 where torch reports the CPU computes it (AVX512-BF16 or AMX), FP32
+    where it does not; BF16 asked for on a CPU that only emulates it runs, and says once what that costs,
+    measured there. oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA) is such a CPU, whatever this one is."""
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert parse_args([]).precision == ("bf16" if native else "fp32"), "auto is not what this CPU computes"
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    said = {}
+    for asked in ([], ["--precision=bf16"]):
+        r = subprocess.run([sys.executable, "train.py", *TINY, "--max_iters=1", f"--out_dir={tmp_path / str(len(asked))}",
+                            *asked], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        said[bool(asked)] = r.stdout
+    assert "precision fp32" in said[False] and "no BF16 instructions" in said[False], said[False][:600]
+    assert "warning" not in said[False], f"the default run warns:\n{said[False][:600]}"
+    warning = [line for line in said[True].splitlines() if line.startswith("warning: BF16 runs")]
+    assert len(warning) == 1 and "slower than FP32 here" in warning[0] and "s a step" in warning[0] and \
+        "PRECISION=auto, the default, is fp32 here" in warning[0], said[True][:800]
+
+
+def test_mfu_divides_by_a_peak_no_matmul_of_the_model_beats():
+    """MFU stays below 100%: on a CPU the peak is measured on the model's own largest matmul, forward and backward,
+    in the run's dtype; the FLOP rate of that GEMM, timed here as the model's Linear runs it, is no higher."""
+    cfg = parse_args(merged(*TINY, "--precision=fp32"))
+    model, parts = train.build(cfg, torch.device("cpu"))
+    peak, source = flops.peak(cfg, parts.precision, model, torch.device("cpu"))
+    weight = max((p for p in model.parameters() if p.dim() == 2), key=torch.numel)
+    x = torch.randn(cfg.batch_size * cfg.block_size, weight.shape[1])
+    best = float("inf")
+    for _ in range(9):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, weight.detach())
+        best = min(best, time.perf_counter() - t0)
+    rate = 2 * x.shape[0] * weight.numel() / best
+    assert peak >= 0.8 * rate, f"the peak MFU divides by, {peak / 1e9:.1f} GFLOP/s ({source}), is below the " \
+                               f"model's largest GEMM's own rate, {rate / 1e9:.1f} GFLOP/s"
+    assert "measured" in source and "largest weight" in source, source
+
+
+def test_a_resume_continues_the_runs_own_settings(tmp_path, capsys):
+    """Resumed with no flag but how far to go, a run takes every key from its snapshot: FP16 with a learner's
+    loss scaler (x1.5 every 2 clean steps), its shape and its schedule; its scale and weights after the resume
+    are an uninterrupted run's, and it says which keys the flags changed."""
+    flags = [*TINY, "--precision=fp16", "--loss_scale_growth=1.5", "--loss_scale_interval=2", "--lr_decay_iters=6",
+             "--batch_size=2", "--block_size=32"]
+    assert train.main(merged(*flags, f"--out_dir={tmp_path / 'a'}", "--max_iters=6")) == 0
+    assert train.main(merged(*flags, f"--out_dir={tmp_path / 'b'}", "--max_iters=3")) == 0
+    capsys.readouterr()
+    assert train.main(["--resume", "--max_iters=6", f"--out_dir={tmp_path / 'b'}"]) == 0
+    said = capsys.readouterr().out
+    straight, resumed = (torch.load(tmp_path / d / "snapshot.pt", weights_only=True) for d in "ab")
+    assert resumed["scaler"] == straight["scaler"], f"the scaler after the resume {resumed['scaler']}, " \
+                                                    f"uninterrupted {straight['scaler']}"
+    assert straight["scaler"]["loss_scale"] not in (2.0 ** 16, 2.0 ** 17), "the scale never grew: nothing tested"
+    assert all(torch.equal(v, resumed["model"][k]) for k, v in straight["model"].items()), "the weights differ"
+    assert "resumed at step 3: the flags given change max_iters 3 -> 6" in said, said[:1000]
+
+
+def test_a_step_past_the_memory_is_one_line_not_the_oom_killer(tmp_path):
+    """On a CPU the run may map what it maps at its start and what is free (RLIMIT_AS): a step that needs more
+    fails in torch's allocator, and says so in one line, exit 2, where the kernel's OOM killer would kill -9 it.
+    Here what is free is said to be 300 MiB; the step's attention scores alone take more."""
+    script = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from guards import clean_end\n"
+              f"clean_end.memory_free = lambda device: (300 * 2 ** 20, 'of memory available (this test says)')\n"
+              f"import train; sys.exit(train.main({merged(*TINY, '--precision=fp32', '--batch_size=64', '--block_size=1024', f'--out_dir={tmp_path}')!r}))")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith(
+        "error: this shape needs more than the 0.3 GiB of memory available (this test says) for one step"), \
+        f"exit status {r.returncode}:\n{r.stderr[-2000:]}"
+    assert "Traceback" not in r.stderr and not (tmp_path / "snapshot.pt").exists()

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import accumulate  # noqa: E402
+from conftest import loss_scale  # noqa: E402
 import train  # noqa: E402
 from ddp_worker import make_batches, tiny_config  # noqa: E402
 from ledger import comm, measure  # noqa: E402
@@ -94,7 +96,7 @@ def overflow(rank, world):
             first = (step * world + rank) * K
             _, stepped, norm = accumulate.accumulation_step(model, parts, batches[first:first + K])
             changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
-            record.append(dict(stepped=stepped, changed=changed, scale=parts.scaler.loss_scale, grad_norm=norm))
+            record.append(dict(stepped=stepped, changed=changed, scale=loss_scale(parts), grad_norm=norm))
         out[shard] = dict(steps=record, slice=(parts.optimizer.shards.start, parts.optimizer.shards.size),
                           n_params=sum(p.numel() for p in model.parameters()))
     return out

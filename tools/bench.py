@@ -35,12 +35,13 @@ from backends import fp8_gemm, fp8_te  # noqa: E402
 from ledger import measure, trace  # noqa: E402
 import precision  # noqa: E402
 import train  # noqa: E402
+from guards.clean_end import memory_available  # noqa: E402
 from guards import cli  # noqa: E402
 from config import UsageError, key, validate  # noqa: E402
 from guards.cli import given  # noqa: E402
 from data import Batches, load_tokens, split_tokens  # noqa: E402
-from guards.preflight import check_fits  # noqa: E402
-from guards.files import check_writable, write_atomically  # noqa: E402
+from ledger.fits import check_fits  # noqa: E402
+from guards.clean_end import check_writable, write_atomically  # noqa: E402
 
 SECTIONS = ("precision", "ckpt", "compile", "loss", "memory", "ddp", "fp8wide", "fast")
 # fast: what a GPU is for. ATTN=manual stays the teaching default (the chapter's s x s softmax); on a GPU users
@@ -92,7 +93,7 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
     if autocast_reference:
         parts.precision = AutocastReference(device.type)
     batches = Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
-    accum = train.resolve_accum(cfg, 1)
+    accum = accumulate.micro_steps(cfg, 1, memory_available())
     times = []
     for i in range(warmup + steps):
         if i == warmup and device.type == "cuda":
@@ -104,7 +105,7 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
     # autocast runs bf16 matmuls, so its MFU is against the bf16 peak
     if autocast_reference:
         prec = precision.decide(replace(cfg, precision="bf16"))
-    peak = flops.peak_flops(cfg, prec, device)
+    peak, source = flops.peak(cfg, prec, model, device)
     model_flops, extra = flops.per_token(cfg, checkpoint.rerun_stops_early(cfg, prec))
     if device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(device)
@@ -116,7 +117,7 @@ def measure_row(flags, steps, warmup, autocast_reference=False):
         trace.step(replace(cfg, device=device.type))["activations"]  # autocast: not traced
     return dict(precision="autocast-bf16" if autocast_reference else prec.name, ckpt=cfg.ckpt,
                 tokens_per_s=tokens_per_s, ms_per_step=1000 * dt, peak_flops=peak,
-                peak_flops_source=peak_source(cfg, prec, device, peak),
+                peak_flops_source=source,
                 mfu=flops.utilization(tokens_per_s, model_flops, peak),
                 hfu=flops.utilization(tokens_per_s, model_flops + extra, peak),
                 peak_mem_bytes=peak_mem, activation_bytes=activations, device=str(device),
@@ -135,7 +136,7 @@ def measure_pair(flags, pairs, warmup):
     tokens, _ = split_tokens(load_tokens(cfg.data), cfg.block_size)
     runs = pair_models(cfg, device)
     batches = Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
-    accum = train.resolve_accum(cfg, 1)
+    accum = accumulate.micro_steps(cfg, 1, memory_available())
     times = dict(ours=[], torch=[])
     for i in range(warmup + pairs):
         micro = [batches.next() for _ in range(accum)]
@@ -188,17 +189,6 @@ def step_peak(model, parts, micro, cfg, device):
         start = tracker.read()
         accumulate.accumulation_step(model, parts, micro, cfg.loss_norm, cfg.no_sync)
     return tracker.peak - start
-
-
-def peak_source(cfg, prec, device, peak):
-    """Where the peak FLOP/s MFU divides by comes from, in words (flops.peak_flops decides it)."""
-    if cfg.peak_flops > 0:
-        return "--peak_flops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return f"{name}, dense {prec.name} (ledger/gpus.py)" if peak else \
-            f"none: {name} is not in ledger/gpus.py, or has no {prec.name} units (give --peak_flops)"
-    return f"measured: this CPU's {prec.param_dtype} addmm (flops.peak_flops)"
 
 
 def run_row_in_subprocess(flags, steps, warmup, autocast_reference=False, pair=False, script=__file__):

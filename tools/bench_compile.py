@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import accumulate  # noqa: E402
 import flops  # noqa: E402
 import train  # noqa: E402
+from guards.clean_end import memory_available  # noqa: E402
 from config import UsageError  # noqa: E402
 from data import Batches, load_tokens, split_tokens  # noqa: E402
 from guards import cli  # noqa: E402
@@ -43,7 +44,7 @@ def measure_compiled(flags, pairs, warmup):
     tokens, _ = split_tokens(load_tokens(cfg.data), cfg.block_size)
     runs = dict(eager=train.build(cfg, device), compiled=train.build(replace(cfg, compile=True), device))
     batches = Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
-    accum = train.resolve_accum(cfg, 1)
+    accum = accumulate.micro_steps(cfg, 1, memory_available())
     micro = [batches.next() for _ in range(accum)]
     first = {who: bench.timed_step(*runs[who], micro, cfg, device) for who in ("eager", "compiled")}
     times = dict(eager=[], compiled=[])
@@ -54,12 +55,12 @@ def measure_compiled(flags, pairs, warmup):
     ratios = [e / c for e, c in zip(times["eager"][warmup:], times["compiled"][warmup:])]
     ms = {who: 1000 * statistics.median(t[warmup:]) for who, t in times.items()}
     model, parts = runs["eager"]
-    peak = flops.peak_flops(cfg, parts.precision, device)
+    peak, source = flops.peak(cfg, parts.precision, model, device)
     tokens_per_step = cfg.batch_size * accum * cfg.block_size
     row = dict(section="compile", precision=parts.precision.name, ckpt=cfg.ckpt, attn=cfg.attn, pairs=pairs,
                first_step_s=first["compiled"], first_step_eager_s=first["eager"], speedup=statistics.median(ratios),
                time_ratios=ratios, peak_flops=peak, device=str(device),
-               peak_flops_source=bench.peak_source(cfg, parts.precision, device, peak), config=dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
+               peak_flops_source=source, config=dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, block_size=cfg.block_size,
                                                batch_size=cfg.batch_size, accum=accum))
     for who, (model, parts) in runs.items():
         tok_s = tokens_per_step / (ms[who] / 1000)

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 import accumulate  # noqa: E402
 import train  # noqa: E402
+from guards.clean_end import memory_available  # noqa: E402
 from config import UsageError  # noqa: E402
 from data import Batches, load_tokens, split_tokens  # noqa: E402
 from guards import cli  # noqa: E402
@@ -57,7 +58,7 @@ def measure_pieces(flags, rounds, warmup):
     tokens, _ = split_tokens(load_tokens(cfg.data), cfg.block_size)
     runs = {k: train.build(replace(cfg, loss_chunks=k), device) for k in PIECES}
     batches = Batches(tokens, cfg.block_size, cfg.batch_size, cfg.seed, device)
-    accum = train.resolve_accum(cfg, 1)
+    accum = accumulate.micro_steps(cfg, 1, memory_available())
     times = {k: [] for k in PIECES}
     for i in range(warmup + rounds):
         micro = [batches.next() for _ in range(accum)]

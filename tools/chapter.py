@@ -20,7 +20,7 @@ import train  # noqa: E402
 from guards import cli  # noqa: E402
 from config import UsageError, key  # noqa: E402
 from guards.cli import given  # noqa: E402
-from guards.files import check_writable, write_atomically  # noqa: E402
+from guards.clean_end import check_writable, write_atomically  # noqa: E402
 from tools import chapter_runs as section1  # noqa: E402
 from tools import chapter_runs_memory as sections234  # noqa: E402
 from tools import ledger  # noqa: E402

@@ -26,7 +26,7 @@ from config import UsageError  # noqa: E402
 from ledger import comm  # noqa: E402
 from ledger.measure import SavedBytes  # noqa: E402
 from model import GPT  # noqa: E402
-from guards.files import check_writable  # noqa: E402
+from guards.clean_end import check_writable  # noqa: E402
 from tools import bench_loss, demos, ledger, ledger_ranks, plots  # noqa: E402
 from tools.chapter_runs import Claim, machine, slow_because, step_seconds, tiny  # noqa: E402
 
@@ -67,9 +67,9 @@ def loss_over_k(device):
     model, parts = train.build(cfg, device)
     seen = []
     step = parts.optimizer.step
-    def seeing(grads=None, scale=1.0):  # grads None: the parameters' .grad
+    def seeing(grads=None, scaler=None):  # grads None: the parameters' .grad
         seen.append([g.clone() for g in grads or [p.grad for p in parts.optimizer.model_params]])
-        return step(grads, scale)
+        return step(grads, scaler)
     parts.optimizer.step = seeing
     big, _ = train.build(cfg, device)
     big.load_state_dict(model.state_dict())

@@ -22,7 +22,7 @@ import train  # noqa: E402
 from guards import cli  # noqa: E402
 from config import Config, UsageError, validate  # noqa: E402
 from guards.cli import given  # noqa: E402
-from guards.preflight import check_fits  # noqa: E402
+from ledger.fits import check_fits  # noqa: E402
 from data import Batches, load_tokens  # noqa: E402
 from model import GPT  # noqa: E402
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 from guards import cli  # noqa: E402
-from guards.files import check_writable, write_atomically  # noqa: E402
+from guards.clean_end import check_writable, write_atomically  # noqa: E402
 from tools import plan_check  # noqa: E402
 from tools.bench import fmt, overridden  # noqa: E402
 

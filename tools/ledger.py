@@ -45,8 +45,8 @@ from config import RunError, UsageError, key  # noqa: E402
 from guards.cli import given  # noqa: E402
 from ledger import compiled, measure, papers, trace  # noqa: E402
 from ledger import parallel as mp  # noqa: E402
-from guards.preflight import check_fits  # noqa: E402
-from guards.files import check_writable, write_atomically  # noqa: E402
+from ledger.fits import check_fits  # noqa: E402
+from guards.clean_end import check_writable, write_atomically  # noqa: E402
 from tools import ledger_report as report  # noqa: E402
 from tools.ledger_report import format_table, in_words  # noqa: E402,F401  (tools/chapter.py prints with it)
 from tools.ledger_ranks import RANKS, format_ranks, measure_ranks, measure_ranks_many, sharded_rows  # noqa: E402,F401

@@ -34,7 +34,7 @@ import train  # noqa: E402
 from guards import cli  # noqa: E402
 from config import Config, RunError, UsageError, key, validate  # noqa: E402
 from ledger import comm, measure, trace  # noqa: E402
-from guards.files import write_atomically  # noqa: E402
+from guards.clean_end import write_atomically  # noqa: E402
 from tools.ledger_report import in_words  # noqa: E402
 
 RANKS = 2  # the sharded rows' processes: gloo on CPU

@@ -30,9 +30,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's files sit one folder up
 
 import checkpoint  # noqa: E402
-from config import SHARDS, UsageError, key  # noqa: E402
+from config import UsageError, choices, key  # noqa: E402
 from guards import cli  # noqa: E402
-from guards.files import check_writable, write_atomically  # noqa: E402
+from guards.clean_end import check_writable, write_atomically  # noqa: E402
 from ledger import gpus  # noqa: E402
 from ledger import plan as lp  # noqa: E402
 from ledger.measure import SMALL_SIZE  # noqa: E402
@@ -223,7 +223,7 @@ def program(argv):
     pictured_precision, attn = pictured_pair(rows)
     pictured = [r for r in rows if (r.precision, r.attn) == (pictured_precision, attn) and (r.peak or r.states)] \
         or rows  # nothing traced (every row refused): the rows still, each with why
-    pictured.sort(key=lambda r: (list(checkpoint.POLICIES).index(r.ckpt), SHARDS.index(r.shard)))
+    pictured.sort(key=lambda r: (list(checkpoint.POLICIES).index(r.ckpt), choices("shard").index(r.shard)))
     picture = svg(pictured, f"{cfg.n_layer} layers, width {cfg.n_embd}, context {cfg.block_size} on {world} x "
                             f"{gpu.name}: {pictured_precision}, attn {attn}")
     try:

@@ -33,10 +33,10 @@ import precision  # noqa: E402
 import train  # noqa: E402
 from config import UsageError, key  # noqa: E402
 from guards import cli  # noqa: E402
-from guards.files import check_writable, write_atomically  # noqa: E402
+from guards.clean_end import check_writable, write_atomically  # noqa: E402
 from ledger import gpus, measure, trace  # noqa: E402
 from ledger import plan as lp  # noqa: E402
-from guards import report as ledger_run  # noqa: E402
+from ledger import live as ledger_run  # noqa: E402
 from ledger.measure import MIN_BLOCK, SMALL_SIZE  # noqa: E402
 
 # GPT-2 small's blocks at context 2048: a sequence's activations (~2 GiB in bf16) dwarf the allocator's bound

@@ -1,215 +1,201 @@
-"""`make reading`: the lines a learner reads to follow each mechanism end to end, counted from the code.
+"""`make reading`: what a learner reads for each mechanism, counted by running it.
 
-    python tools/reading.py            the table (markdown), in the README's reading order, and the calls
-                                       it could not resolve
-    python tools/reading.py --check    also the budgets: exit 1 where a path is over its budget and not saying why
-    python tools/reading.py --readme   write both tables into README.md, between their markers
+    python tools/reading.py            every row's run, traced; the table, and per file what each row adds
+    python tools/reading.py --check    also the budgets: exit 1 where a row is over its budget
+    python tools/reading.py --readme   write the table and the map of files into README.md, between their markers
 
-A tool, not a chapter file. Read `PATHS` first: per mechanism, the file, the definitions of its plain path
-in the order a reader takes them, its refinements (read after it), its budget and, where the plain path is
-over it, why. What a path counts, each (file, line) once (tools/reach.py follows the calls):
-  plain path    its file's docstring, its definitions, and every definition of the project they reach, in
-                any file (backends/, ledger/, guards/ too): called, passed as a value (`partial(f, ...)`,
-                `self.run = f`), or called through an object whose class the code shows; transitively. A
-                definition is all its physical lines; a class reached is its head (its line, docstring and
-                attributes) and the methods reached, a class listed is all of it. A file entered for a
-                definition adds that definition, not the file's docstring.
-  read in another path  a definition another path lists (plain or refinement): read there, counted in
-                this column and not followed from here.
-  refinements   what the path lists as its refinements: not followed by its plain path; counted after it,
-                with what they reach that the plain path does not.
-Not followed: torch, the stdlib, builtins; an exception class raised; a use whose value the code does not
-show (a loop variable over torch's container, a function passed in): `make reading` prints those.
-tests/test_structure.py holds the budgets and the README's table to this output; tests/test_reading.py the counter.
+A tool, not a chapter file. Read `ROWS` first. Each row runs train.py at a tiny shape (2 layers, 2 heads,
+width 64, context 64, micro-batch 4; 20 steps with two evaluations and a snapshot; on the CPU) under a line
+tracer (sys.settrace, its threads too, every rank under torchrun), and counts the distinct lines of the
+project's own files that executed. Not counted: import lines, def and class headers (their decorators and
+signatures too) and docstrings, which run by merely importing a file. What a learner reads for a mechanism
+is what its run executes beyond its base run's: the plain run first, then each flag on top of it.
 """
 import ast
+import json
+import os
+import subprocess
 import sys
-from dataclasses import dataclass
+import tempfile
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the project's files sit one folder up
-
-from tools import reach  # noqa: E402
-
-ORDER = ["config", "model", "precision", "fp8", "accumulate", "checkpoint", "memory_ledger", "zero", "fsdp", "train",
-         "build", "snapshot", "data", "flops"]  # the files in the order PATHS reads them
+TINY = ["--device=cpu", "--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64", "--batch_size=4",
+        "--max_iters=20", "--eval_interval=10", "--eval_iters=2"]
+FORBIDDEN = ("ledger/", "tools/", "backends/", "zero.py", "fsdp.py", "fp8.py", "memory_ledger.py")
 
 
-@dataclass(frozen=True)
-class Reading:
-    mechanism: str
-    file: str
-    plain: tuple  # definitions, "name" or "Class.method", in reading order
-    refinements: tuple = ()  # read after it: "name" in file, or "folder/file.py:name"
-    budget: int = None  # lines of the plain path, at most
-    docstring: bool = True  # the file's docstring is read first (False: a second path in a file already open)
-    why: str = None  # over its budget: what the extra lines are for (--check takes it, --readme prints it)
+class Row(NamedTuple):
+    name: str  # the run, as a learner types it
+    flags: tuple  # train.py's flags beside TINY
+    base: str = None  # the row whose lines it adds to (None: the plain run itself)
+    budget: int = None  # lines it may add (the plain row: lines it may execute)
+    ranks: int = 1  # processes under torchrun
+    resumes: bool = False  # it resumes from a snapshot of its own flags at step 10
 
 
-PATHS = [  # in the README's reading order
-    Reading("the config: every key and its meaning", "config.py", ("Config", "key")),
-    Reading("the model", "model.py", ("GPT", "Block", "CausalSelfAttention", "AttentionCore", "MLP", "default_linear",
-                                      "run_blocks_in_order")),
-    Reading("the loss in pieces (LOSS_CHUNKS)", "model.py", ("ChunkedLoss", "logits_gradient", "sum_in_fp32"), (), 60,
-            docstring=False),
-    Reading("mixed precision: master weights + loss scaler", "precision.py",
-          ("MasterWeightOptimizer", "squared_sum", "host_value", "LossScaler"),
-          ("AdamW", "optimizer_spec", "overflows_explained", "not_written_by", "decide", "Precision"), 150),
-    Reading("FP8: E4M3 forward, delayed scaling, BF16 backward", "fp8.py",
-          ("Settings", "scale_from_amax", "amax_of", "quantize", "_FP8LinearFunction", "FP8Linear", "layers",
-           "fold_amax", "release_weight_copies"), (), 150,
-            why="the GEMM its Function calls (scaled_mm, and dequantize in backward): torch._scaled_mm on a GPU; "
-                "on CPU an exact stand-in, as torch's own CPU _scaled_mm is about 10,000x slower on AMX CPUs; "
-                "and CUDA's rules for its arguments, checked on every device so a CPU run fails where a GPU run "
-                "would."),
-    Reading("FP8: the weight kept per step, the E5M2 backward", "backends/fp8_refined.py",
-            ("WEIGHT_MODES", "weight_copies", "Rerun", "WeightCopy", "_FP8LinearFunction", "FP8Linear")),
-    Reading("gradient accumulation + no_sync", "accumulate.py",
-          ("StepParts", "accumulation_step", "optimizer_step", "effective_batch"),
-          ("token_weights", "fp32_grad_buffers", "add_to_fp32_sums", "all_reduce_mean", "accum_from_total_tokens"),
-          70),
-    Reading("recompute, the naive Function", "checkpoint.py", ("NaiveRecompute", "naive_recompute"), (), 40,
-            docstring=False),
-    Reading("recompute, the real one and its policies", "checkpoint.py",
-          ("recompute", "_Enough", "Unit", "_never_unpacked", "RerunNode", "Policy", "register", "NoRecompute", "Full",
-           "Sqrt", "Selective", "policy", "apply_policy", "_unit_runner", "_checked_units"),
-          ("is_recomputing", "_recomputing", "_autocast_state", "_autocast", "rerun_stops_early", "torch_recompute",
-           )),
-    Reading("the memory ledger's closed forms", "memory_ledger.py",
-          ("bytes_per_param_closed", "params_closed", "layer_terms_closed", "layer_activations_closed",
-           "head_activations_closed", "full_recompute_layer_closed", "sqrt_units_closed", "zero_bytes_per_rank")),
-    Reading("the memory ledger: which term each traced byte is", "memory_ledger.py",
-            ("TERMS", "closed_terms", "module_kinds", "term_of", "account", "as_counted", "in_words", "differences",
-             "state_differences", "components"), docstring=False),
-    Reading("ZeRO-1/2 by hand", "zero.py", ("Shards", "Piece", "flatten", "SliceOptimizer", "ShardedOptimizer",
-                                         "norm_over_ranks"), (), 150,
-            why="ShardedOptimizer's state_dict and load_state_dict: the slices' state gathered into DDP's "
-                "format and cut back out of it, so a snapshot resumes under DDP, ZeRO or FSDP alike."),
-    Reading("FSDP2 (ZeRO-3)", "fsdp.py", ("apply_fsdp", "ShardOptimizer"), (), 100),
-    Reading("the training loop", "train.py", ("train_loop",),  # Report: the log (and the ledger's line), Guard: the
-            ("resume", "lr_at", "estimate_loss", "sample",  # clean ends; both read after it, as its refinements
-             "guards/report.py:Report", "guards/clean_end.py:Guard"), 60),
-    Reading("building a run: precision, model, policy, optimizer", "build.py",
-            ("build", "compile_blocks", "make_optimizer", "wrap_ddp", "pick_device")),
-    Reading("snapshots and the random streams", "snapshot.py",
-            ("capture", "restore", "save", "read", "rng_state", "set_rng_state")),
-    Reading("the data", "data.py", ("Batches", "DrawnOnce")),
-    Reading("MFU and HFU: FLOPs counted from the model", "flops.py",
-            ("per_token", "model_code", "_counted", "_count", "Counted", "CPU_ATTENTION", "_attention", "utilization",
-             "peak_flops", "_cpu_peak")),
+PLAIN = "make train PRECISION=bf16"
+ROWS = [
+    Row(PLAIN, ("--precision=bf16",), budget=550),
+    Row("PRECISION=fp16 (the loss scaler)", ("--precision=fp16",), PLAIN, 120),
+    Row("PRECISION=fp32", ("--precision=fp32",), PLAIN, 0),
+    Row("PRECISION=fp8", ("--precision=fp8",), PLAIN, 200),
+    Row("CKPT=full", ("--precision=bf16", "--ckpt=full"), PLAIN, 120),
+    Row("CKPT=full CKPT_IMPL=naive", ("--precision=bf16", "--ckpt=full", "--ckpt_impl=naive"), "CKPT=full", 40),
+    Row("ACCUM=4", ("--precision=bf16", "--accum=4"), PLAIN, 40),
+    Row("make ddp NPROC=2", ("--precision=bf16",), PLAIN, 80, ranks=2),
+    Row("make ddp NPROC=2 SHARD=zero2", ("--precision=bf16", "--shard=zero2"), "make ddp NPROC=2", 150, ranks=2),
+    Row("make ddp NPROC=2 SHARD=fsdp", ("--precision=bf16", "--shard=fsdp"), "make ddp NPROC=2", 100, ranks=2),
+    Row("LOSS_CHUNKS=4", ("--precision=bf16", "--loss_chunks=4"), PLAIN, 60),
+    Row("RESUME=1 (a resume from a snapshot)", ("--precision=bf16",), PLAIN, 100, resumes=True),
 ]
+PLAIN_FILES = 12  # the plain run executes lines of at most this many files
 
 
-class Count(NamedTuple):
-    plain: set  # {(file, line)} the plain path reads
-    elsewhere: set  # {(file, line)} of other paths' definitions it reaches
-    refined: set  # {(file, line)} its refinements read past the plain path's
-    unresolved: list  # its uses of unknown value that may be the project's, in words
-    reached: set  # {(file, name)} of the definitions the plain path reads
-    cut: list  # its refinements that the plain path calls: not followed, read after it
+# ---------------------------------------------------------------- the counter
+
+def not_counted(source):
+    """Line numbers that run by merely importing a file: imports, def and class headers, docstrings."""
+    skip = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            skip.update(range(node.lineno, node.end_lineno + 1))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            skip.update(range(first, node.body[0].lineno))  # decorators, the header, a long signature
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+            doc = node.body[0]
+            if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+                skip.update(range(doc.lineno, doc.end_lineno + 1))
+    return skip
 
 
-def counts(paths=None, root=ROOT):
-    """A Count per path, what it reaches resolved by tools/reach.py in the project at root."""
-    paths, project = paths or PATHS, reach.Project(root)
-    listed = [(names(project, p, p.plain), names(project, p, p.refinements)) for p in paths]
-    owner = {t: i for i, (plain, refined) in enumerate(listed) for t in plain | refined}
-    out = []
-    for i, (p, (plain, refined)) in enumerate(zip(paths, listed)):
-        others = {t for t, j in owner.items() if j != i}
-        read, stopped, unresolved = project.reach([(t, None) for t in sorted(plain)], others | refined)
-        lines = project.docstring(module_of(project, p.file)) if p.docstring else set()
-        lines |= union(project.lines(t, whole=t in plain) for t in read)
-        elsewhere = union(project.lines(t) for t in stopped & others) - lines
-        after, _, _ = project.reach([(t, None) for t in sorted(refined)], others | read)
-        refined_lines = union(project.lines(t, whole=t in refined) for t in after) - lines
-        out.append(Count(lines, elsewhere, refined_lines, unresolved, {(project.files[m], n) for m, n in read},
-                         cut(project, p, stopped)))
+def counted(hits, root=ROOT):
+    """{file relative to root: the counted lines} of {absolute path: lines that ran}."""
+    out = {}
+    for path, lines in hits.items():
+        source = Path(path).read_text()
+        kept = {n for n in lines if n > 0} - not_counted(source)  # line 0: a module's own start, no line of it
+        if kept:
+            out[str(Path(path).relative_to(root))] = kept
     return out
 
 
-def cut(project, reading, stopped):
-    """The refinements that a path's plain path calls (of a class: the methods), in the order listed."""
-    out = []
-    for entry in reading.refinements:
-        file, _, name = entry.rpartition(":")
-        module = module_of(project, file or reading.file)
-        methods = [n.split(".", 1)[1] for m, n in sorted(stopped) if m == module and n.startswith(f"{name}.")]
-        if methods or (module, name) in stopped:
-            out.append(f"{name} ({', '.join(methods)})" if methods else name)
-    return out
+def trace(script, argv, into, root=ROOT):
+    """Run `script` as __main__ under the tracer; write {path: [lines]} of root's own files to `into`."""
+    root, hits = str(root), {}
+
+    def local(frame, event, arg):
+        if event == "line":
+            hits[frame.f_code.co_filename].add(frame.f_lineno)
+        return local
+
+    def tracer(frame, event, arg):
+        path = frame.f_code.co_filename
+        if not path.startswith(root + os.sep) or os.sep + ".venv" + os.sep in path:
+            return None  # torch, the stdlib, the venv: not the project's
+        hits.setdefault(path, set())
+        return local(frame, event, arg)
+
+    sys.argv, sys.path[0] = [script, *argv], root
+    sys.settrace(tracer)
+    threading.settrace(tracer)
+    try:
+        import runpy
+        runpy.run_path(str(Path(root) / script), run_name="__main__")
+    except SystemExit as e:
+        status = e.code
+    else:
+        status = 0
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+        Path(into).write_text(json.dumps({p: sorted(lines) for p, lines in hits.items()}))
+    return status
 
 
-def module_of(project, file):
-    return next(m for m, f in project.files.items() if f == file)
+# ---------------------------------------------------------------- the rows
+
+def run_row(row, folder):
+    """The row's counted lines: {file: lines}, every rank's together."""
+    out_dir, traces = Path(folder) / "out", Path(folder) / "traces"
+    traces.mkdir(parents=True)
+    flags = [*TINY, *row.flags, f"--out_dir={out_dir}"]
+    python = [sys.executable]
+    if row.ranks > 1:
+        python += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={row.ranks}"]
+    if row.resumes:  # the snapshot at step 10 of the same run, written untraced
+        ten = [f for f in flags if not f.startswith("--max_iters=")] + ["--max_iters=10", "--lr_decay_iters=20"]
+        first = subprocess.run([sys.executable, "train.py", *ten], cwd=ROOT, capture_output=True, text=True)
+        if first.returncode:
+            raise RuntimeError(f"{row.name}: the run to resume from failed: {first.stderr.strip()[-400:]}")
+        flags += ["--resume", "--lr_decay_iters=20"]
+    done = subprocess.run([*python, "tools/reading.py", f"--trace={traces}", "--", "train.py", *flags],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
+    if done.returncode:
+        raise RuntimeError(f"{row.name}: exit status {done.returncode}: {done.stderr.strip()[-600:]}")
+    lines = {}
+    for path in traces.glob("*.json"):
+        for file, kept in counted({p: set(v) for p, v in json.loads(path.read_text()).items()}).items():
+            lines.setdefault(file, set()).update(kept)
+    return lines
 
 
-def names(project, reading, listed):
-    """{(module, name)} of what a path lists; a class listed is all of it, its methods too."""
-    out = set()
-    for entry in listed:
-        file, _, name = entry.rpartition(":")
-        module = module_of(project, file or reading.file)
-        if name not in project.defs[module]:
-            raise KeyError(f"{file or reading.file} has no {name} (tools/reading.py PATHS)")
-        out |= {(module, n) for n in project.defs[module] if n == name or n.startswith(f"{name}.")}
-    return out
+def measure(rows=ROWS):
+    """{row name: {file: lines}} of every row's run."""
+    found = {}
+    for row in rows:
+        with tempfile.TemporaryDirectory() as folder:
+            found[row.name] = run_row(row, folder)
+    return found
 
 
-def union(sets):
-    return set().union(*sets)
+def added(found, row):
+    """{file: lines} the row executes beyond its base's (all of it for the plain row)."""
+    base = found[row.base] if row.base else {}
+    out = {file: lines - base.get(file, set()) for file, lines in found[row.name].items()}
+    return {file: lines for file, lines in out.items() if lines}
 
 
-def table(paths=None, root=ROOT, found=None):
-    """The reading paths' table, and under it why each path over its budget is."""
-    paths = paths or PATHS
-    found = found or counts(paths, root)
-    rows = ["| mechanism | file | plain path (lines) | budget | read in another path (lines) | "
-            "refinements after it (lines) | calls not resolved |", "|---|---|---|---|---|---|---|"]
-    for p, c in zip(paths, found):
-        rows.append(f"| {p.mechanism} | `{p.file}` | {len(c.plain)} | {p.budget or '-'} | {len(c.elsewhere) or '-'} | "
-                    f"{len(c.refined) or '-'} | {len(c.unresolved) or '-'} |")
-    plains = union(c.plain for c in found)
-    rows.append(f"| all of it, in this order, each line once | | {len(plains)} | | | "
-                f"{len(union(c.refined for c in found) - plains)} | |")
-    for p, c in zip(paths, found):
-        if p.why:
-            files = {}
-            for file, _ in sorted(c.plain):
-                files[file] = files.get(file, 0) + 1
-            where = ", ".join(f"{n} of them in `{f}`" for f, n in files.items() if f != p.file)
-            rows.append(f"\n*{p.mechanism}*: {len(c.plain)} lines (budget {p.budget}), {where}: {p.why}")
-    cuts = "; ".join(f"*{p.mechanism}*, {', '.join(c.cut)}" for p, c in zip(paths, found) if c.cut)
-    if cuts:
-        rows.append(f"\nWhat plain paths call of their own refinements (read after them, not followed): {cuts}.")
-    return "\n".join(rows)
+def table(found, rows=ROWS):
+    lines = ["| run | over | lines executed (added) | budget | in these files |", "|---|---|---|---|---|"]
+    for row in rows:
+        more = added(found, row)
+        files = ", ".join(f"`{f}` {len(v)}" for f, v in sorted(more.items(), key=lambda kv: (-len(kv[1]), kv[0])))
+        total = sum(map(len, more.values()))
+        what = f"{total} in {len(more)} files" if not row.base else f"+{total}"
+        lines.append(f"| `{row.name}` | {f'`{row.base}`' if row.base else '-'} | {what} | "
+                     f"{row.budget if row.budget is not None else '-'} | {files or '-'} |")
+    return "\n".join(lines)
 
 
 def files_table(root=ROOT):
     """Each root file (the chapter) with its line count and its docstring's first sentence."""
-    rows = ["| file | lines | what it is |", "|---|---|---|"]
-    total = 0
-    for path in sorted(Path(root).glob("*.py"), key=lambda p: ORDER.index(p.stem) if p.stem in ORDER else len(ORDER)):
+    rows, total = ["| file | lines | what it is |", "|---|---|---|"], 0
+    for path in sorted(Path(root).glob("*.py")):
         lines = len(path.read_text().splitlines())
         total += lines
-        first = ast.get_docstring(ast.parse(path.read_text())).split("\n")[0]
+        first = (ast.get_docstring(ast.parse(path.read_text())) or "").split("\n")[0]
         rows.append(f"| `{path.name}` | {lines} | {first} |")
     rows.append(f"| all of them | {total} | |")
     return "\n".join(rows)
 
 
-def check(paths=None, root=ROOT, found=None):
-    """[problems]: a plain path over its budget that does not say why, or a why for one within it."""
-    paths = paths or PATHS
+def check(found, rows=ROWS):
+    """[problems]: a row over its budget, the plain run in more files than PLAIN_FILES or in FORBIDDEN ones."""
     problems = []
-    for p, c in zip(paths, found or counts(paths, root)):
-        over = p.budget is not None and len(c.plain) > p.budget
-        if over and not p.why:
-            problems.append(f"{p.mechanism}: {len(c.plain)} lines to read, the budget is {p.budget}, and no why")
-        if p.why and not over:
-            problems.append(f"{p.mechanism}: {len(c.plain)} lines, within its budget of {p.budget}: drop its why")
+    for row in rows:
+        total = sum(map(len, added(found, row).values()))
+        if row.budget is not None and total > row.budget:
+            problems.append(f"{row.name}: {total} lines, the budget is {row.budget}")
+    plain = found[ROWS[0].name]
+    if len(plain) > PLAIN_FILES:
+        problems.append(f"{ROWS[0].name}: lines of {len(plain)} files run, at most {PLAIN_FILES}")
+    for file in sorted(plain):
+        if file.startswith(FORBIDDEN):
+            problems.append(f"{ROWS[0].name}: {file} runs {len(plain[file])} lines; nothing of it should")
     return problems
 
 
@@ -226,22 +212,19 @@ def write_readme(tables, root=ROOT):
 
 
 def main(argv):
-    try:
-        found = counts()
-    except KeyError as e:  # a definition PATHS names that the code no longer has
-        print(f"error: {e.args[0]}", file=sys.stderr)
-        return 1
-    tables = {"paths": table(found=found), "files": files_table()}
+    if argv and argv[0].startswith("--trace="):  # one traced process (a rank under torchrun)
+        folder = argv[0].split("=", 1)[1]
+        script, *rest = argv[argv.index("--") + 1:]
+        return trace(script, rest, Path(folder) / f"rank{os.environ.get('RANK', '0')}.json")
+    found = measure()
+    tables = {"paths": table(found), "files": files_table()}
     print(tables["paths"] + "\n\n" + tables["files"])
-    unresolved = [f"{p.mechanism}: {line}" for p, c in zip(PATHS, found) for line in c.unresolved]
-    print("\nnot followed, what they are is not in the code (a function passed in, a loop variable):\n  " +
-          "\n  ".join(unresolved) if unresolved else "")
     if "--readme" in argv:
         write_readme(tables)
     if "--check" in argv:
-        problems = check(found=found)
+        problems = check(found)
         for line in problems:
-            print(f"MISS: {line}", file=sys.stderr)
+            print(f"OVER: {line}", file=sys.stderr)
         return 1 if problems else 0
     return 0
 
