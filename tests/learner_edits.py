@@ -39,11 +39,14 @@ def rmsnorm_departs(cfg):
 # ---------------------------------------------------------------- a SwiGLU MLP: w1, w2, w3
 
 class SwiGLU(nn.Module):
+    width = 4  # the hidden size over n_embd; LLaMA's 8/3 keeps the parameters of a 4x MLP
+
     def __init__(self, cfg, linear_factory):
         super().__init__()
-        self.w1 = linear_factory(cfg.n_embd, 4 * cfg.n_embd, cfg.bias)
-        self.w3 = linear_factory(cfg.n_embd, 4 * cfg.n_embd, cfg.bias)
-        self.w2 = linear_factory(4 * cfg.n_embd, cfg.n_embd, cfg.bias)
+        hidden = int(self.width * cfg.n_embd)
+        self.w1 = linear_factory(cfg.n_embd, hidden, cfg.bias)
+        self.w3 = linear_factory(cfg.n_embd, hidden, cfg.bias)
+        self.w2 = linear_factory(hidden, cfg.n_embd, cfg.bias)
         self.w2.residual_projection = True
         self.dropout = nn.Dropout(cfg.dropout)
 

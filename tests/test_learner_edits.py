@@ -16,7 +16,7 @@ import flops
 import model
 import train
 from conftest import merged
-from learner_edits import EDITS
+from learner_edits import EDITS, SwiGLU
 from guards.cli import parse_args
 from tools import ledger as tool
 
@@ -73,3 +73,17 @@ def test_an_edit_to_model_py_alone_is_exact_and_named(edit, monkeypatch, tmp_pat
             unsaid = [line for line in departs(parse_args(argv)) if line not in closed]
             assert not unsaid, f"{edit}: make ledger's closed forms do not say:\n" + "\n".join(unsaid) + \
                 "\nthey say:\n" + closed
+
+
+def test_swiglu_at_eight_thirds_leaves_the_fp8_rows_out_in_words(monkeypatch, tmp_path, capsys):
+    """SwiGLU at 8/3 of the width (170 at n_embd=64) trains in BF16, and FP8's rule (multiples of 16) rules out
+    its FP8 rows: `make ledger` says so, naming the Linear and its dimension, and still exits 0."""
+    monkeypatch.setattr(SwiGLU, "width", 8 / 3)
+    monkeypatch.setattr(model, "MLP", SwiGLU)
+    rc = tool.main(merged(*HEAVY, "--precision=bf16", "--table=formula", f"--out_dir={tmp_path}"))
+    out, err = capsys.readouterr()
+    assert rc == 0 and err == "", f"make ledger on SwiGLU at 8/3: exit status {rc}:\n{out}{err}"
+    for backend in ("native", "Transformer Engine"):
+        assert f"FP8 ({backend}): does not apply to this model: precision=fp8 needs every FP8 Linear's dimensions " \
+               f"divisible by 16 (an FP8 GEMM's rule): h.0.mlp.w1 is 64 -> 170, and 170 is not" in out, \
+            f"the FP8 ({backend}) row does not say why it is left out:\n{out}"

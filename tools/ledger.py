@@ -197,7 +197,7 @@ def failure(cfg, rows):
 
 # ---------------------------------------------------------------- the chapter's table
 
-def technique_rows(cfg, device, opts, measure_runs=True, skipped=None):
+def technique_rows(cfg, device, opts, measure_runs=True, skipped=None, not_here=None):
     """[(technique, {component: bytes per GPU}, how)] for cfg's shape. how: "measured" when
     this project runs the technique (one ledger run on this machine), "traced" where it is not run here
     (--table=formula, FP8 where this device has no FP8 GEMM), "formula" for the techniques it does not run.
@@ -208,7 +208,9 @@ def technique_rows(cfg, device, opts, measure_runs=True, skipped=None):
     native's activations (an approximation: TE's saved tensors are its own) plus its FP8 weight and
     transpose (cached across steps under FP8_KEEP_WEIGHT, else saved for backward: ledger/parallel.te_weights). The parallel techniques are ledger/parallel.py's parallel_rows, formulas on this
     config's trace. skipped: None (a row that fails raises), or a list that gets one line per row left
-    out, saying why (`make ledger` goes on without it). COMPILE: one more row, the compiled blocks.
+    out, saying why (`make ledger` goes on without it). not_here: None, or a list that gets one line per
+    technique this model's shapes rule out (FP8 on a Linear that is not a multiple of 16): not a miss.
+    COMPILE: one more row, the compiled blocks.
     """
     runs, rows, compiled_blocks = {}, [], cfg.compile
     cfg = replace(cfg, compile=False)
@@ -224,6 +226,10 @@ def technique_rows(cfg, device, opts, measure_runs=True, skipped=None):
                 components = extra(components, c)
             rows.append((name, components, "formula" if extra else "measured" if measure_runs and runnable else
                          "traced"))
+        except UsageError as e:  # the technique's own rule refuses this model (build.py says which Linear)
+            if not_here is None:
+                raise
+            not_here.append(f"  {name}: does not apply to this model: {e}")
         except Exception as e:  # noqa: BLE001  (the learner's model: said, not raised)
             if skipped is None:
                 raise
@@ -231,7 +237,7 @@ def technique_rows(cfg, device, opts, measure_runs=True, skipped=None):
 
     row("FP32 baseline", replace(cfg, precision="fp32", ckpt="none", fp32_grad_accum=False))
     row("BF16 mixed precision", replace(cfg, precision="bf16", ckpt="none"))
-    if cfg.n_embd % 16 == 0 and fp8.E4M3 is not None:
+    if fp8.E4M3 is not None:
         runs_here = fp8_gemm.fp8_matmul_error(device) is None  # e.g. False on a pre-sm89 GPU
         fp8_cfg = replace(cfg, precision="fp8", ckpt="none", fp8_backend="native")
         row("FP8 (native)", fp8_cfg, runnable=runs_here)
@@ -342,11 +348,12 @@ def program(argv):
     figures = json.dumps(dict(device=cfg.device, ok=ok, allocator=allocator_line(cfg, meas).strip(),
                               rows=[dict(component=k, traced=t, measured=m, ok=good, rule=rule)
                                     for k, t, m, good, rule in rows]), indent=1)
-    skipped = []
-    table = technique_rows(cfg, device, opts, measure_runs=opts.table == "measure", skipped=skipped)
+    skipped, not_here = [], []
+    table = technique_rows(cfg, device, opts, measure_runs=opts.table == "measure", skipped=skipped,
+                           not_here=not_here)
     say(f"\nfour components x techniques (per GPU, this config, precision {precision.decide(cfg).name} "
         f"unless named):")
-    say("\n".join([report.format_table(table)] + skipped))
+    say("\n".join([report.format_table(table)] + not_here + skipped))
     ok = ok and not skipped
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
