@@ -40,8 +40,8 @@ def build(cfg, device=None):
             import fp8
             prec.check_device(device)
             fp8.check_shapes(model)
-        sharded = cfg.shard == "fsdp"  # FSDP2 keeps FP32 shards (the master weights), casts per block
-        model.to(device=device, dtype=torch.float32 if sharded else prec.param_dtype)
+        # FSDP2 keeps FP32 shards (the master weights) and casts them per block
+        model.to(device=device, dtype=torch.float32 if cfg.shard == "fsdp" else prec.param_dtype)
         if cfg.ckpt != "none":
             import checkpoint
             checkpoint.apply_policy(model, checkpoint.policy(cfg), prec.recompute_contexts,
@@ -49,7 +49,7 @@ def build(cfg, device=None):
                                     stop_early=checkpoint.rerun_stops_early(cfg, prec))
         if cfg.compile:
             compile_blocks(model)  # before FSDP and DDP wrap the model, as PyTorch documents
-        if sharded:
+        if cfg.shard == "fsdp":
             import fsdp
             fsdp.apply_fsdp(model, prec)
         optimizer = make_optimizer(cfg, model, prec)

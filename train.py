@@ -49,10 +49,9 @@ def lr_at(cfg, it):
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
-def train_loop(cfg, log, accum, rank, device, world_size, tokens, snap=None, changes=None):
+def train_loop(cfg, log, accum, rank, device, world_size, train_tokens, val_tokens, snap=None, changes=None):
     """The loop: per optimizer step the learning rate, K micro-batches, one accumulation_step, then evaluation
     and a snapshot when due. snap: the snapshot a resume continues (changes: the keys its flags change)."""
-    train_tokens, val_tokens = tokens
     model, parts = build(cfg, device)
     # every rank draws its own batches; the validation stream is the same fixed one each evaluation
     batches = Batches(train_tokens, cfg.block_size, cfg.batch_size, cfg.seed + 1 + rank, device)
@@ -149,15 +148,14 @@ class Report:
         self.cfg, self.parts, self.device, self.start, self.log = cfg, parts, device, start_step, log
         seqs, self.tokens_per_step = accumulate.effective_batch(cfg.batch_size, world_size, accum, cfg.block_size)
         self.flops_per_token = flops.per_token_formula(model, cfg) / world_size  # MFU's, one device's share
-        self.hw_flops_per_token = self.flops_per_token  # HFU's, where recompute (or the loss in pieces) runs more
-        if cfg.ckpt != "none" or cfg.loss_chunks > 1:
-            self.hw_flops_per_token = flops.hardware_per_token(model, cfg, parts.precision) / world_size
+        # HFU's: more where recompute (or the loss in pieces) runs parts twice, counted on one real step
+        self.hw_flops_per_token = self.flops_per_token if cfg.ckpt == "none" and cfg.loss_chunks == 1 else \
+            flops.hardware_per_token(model, cfg, parts.precision) / world_size
         self.peak, source = flops.peak(cfg, parts.precision, model, device)
         self.live, self.model, self.world = None, model, world_size  # a GPU's allocator beside the ledger (ledger/live.py)
         if device.type == "cuda":
             from ledger import live
             self.live = live.Live(cfg, model, parts, device, world_size, start_step, log)
-        self.first_step_says = cfg.compile or self.live or cfg.shard != "none"
         self.t_last, self.tokens_since, (auto, why) = time.perf_counter(), 0, precision.native(device)
         if log:
             parameters, name = sum(p.numel() for p in model.parameters()) / 1e6, parts.precision.name
@@ -167,26 +165,25 @@ class Report:
                 f"{self.tokens_per_step} tokens per optimizer step\npeak for MFU {self.peak / 1e12:.3g} TFLOP/s "
                 f"({source}); memory: `make ledger`")
         if log and (emulated := precision.emulated(parts.precision.name, device)):  # guard: a precision only emulated
-            fp32 = flops.gemm_rate(model, cfg.batch_size * cfg.block_size, torch.float32, device)[0]
-            log(f"warning: {parts.precision.name.upper()} runs {fp32 / self.peak:.0f}x slower than FP32 here "
-                f"({emulated}): at least {self.flops_per_token * self.tokens_per_step / self.peak:.1f} s a step; "
-                f"PRECISION=auto, the default, is {auto} here")
+            rate, fp32 = (flops.gemm_rate(model, cfg.batch_size * cfg.block_size, dtype, device)[0]
+                          for dtype in (parts.precision.param_dtype, torch.float32))
+            log(f"warning: {parts.precision.name.upper()} runs {fp32 / rate:.0f}x slower than FP32 here ({emulated}): at "
+                f"least {self.flops_per_token * self.tokens_per_step / rate:.1f} s a step; PRECISION=auto is {auto} here")
 
     def after_step(self, step, loss):
         """step: 0-based, just done. Every log_interval steps (and the last): the progress line."""
         self.tokens_since += self.tokens_per_step
-        if step == self.start and self.first_step_says or self.live:
+        if step == self.start and (self.cfg.compile or self.cfg.shard != "none") or self.live:
             self.first_step(step, loss)
         if not (self.log and self.tokens_since and ((step + 1) % self.cfg.log_interval == 0 or step + 1 == self.cfg.max_iters)):
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        dt, steps, tokens, scaler = time.perf_counter() - self.t_last, self.tokens_since // self.tokens_per_step, \
-            self.tokens_since, self.parts.scaler  # tokens of all ranks together
+        dt, tokens, scaler = time.perf_counter() - self.t_last, self.tokens_since, self.parts.scaler  # all ranks' tokens
         mfu, hfu = (flops.utilization(tokens / dt, f, self.peak) for f in (self.flops_per_token, self.hw_flops_per_token))
         self.t_last, self.tokens_since = time.perf_counter(), 0
         self.log(f"step {step + 1:5d} | loss {loss:.4f} | lr {self.parts.optimizer.torch_optimizer.param_groups[0]['lr']:.2e}"
-                 f" | {1000 * dt / steps:7.1f} ms/step | {tokens / dt / 1e3:7.1f}k tok/s | MFU "
+                 f" | {1000 * dt * self.tokens_per_step / tokens:7.1f} ms/step | {tokens / dt / 1e3:7.1f}k tok/s | MFU "
                  f"{f'{100 * mfu:.1f}%' if mfu else 'n/a'}" + (f" HFU {100 * hfu:.1f}%" if hfu != mfu else "")
                  + f" | mem {memory_now(self.device)}"
                  + (f" | scale {scaler.loss_scale:g} skipped {scaler.skipped_steps}" if scaler else ""))
@@ -260,7 +257,7 @@ def train(cfg, log=print, given=None):
         tokens = split_tokens(load_tokens(cfg.data), cfg.block_size)
         held.enter_context(clean_end.within_memory(device))  # guard: a step past the memory is one line
         if world_size == 1:
-            return train_loop(cfg, log, accum, 0, device, 1, tokens, snap, changes)
+            return train_loop(cfg, log, accum, 0, device, 1, *tokens, snap, changes)
         if rank != 0:  # it writes nothing, so has nothing to unwind: a signal ends it at once, even in a collective
             held.enter_context(cli.signals_handled(signal.SIG_DFL))
         return train_ddp(cfg, log, accum, device, tokens, snap, changes)
@@ -273,7 +270,7 @@ def train_ddp(cfg, log, accum, device, tokens, snap, changes):
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
         with clean_end.lost_ranks_named():  # guard: a rank killed mid-run is named in one line
-            history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size(), tokens, snap,
+            history = train_loop(cfg, log, accum, dist.get_rank(), device, dist.get_world_size(), *tokens, snap,
                                  changes)
             # free the DDP wrapper (in reference cycles) while its process group lives, or gloo's pending
             # work can abort the process at exit; and leave together, so no rank tears gloo down early
@@ -284,11 +281,13 @@ def train_ddp(cfg, log, accum, device, tokens, snap, changes):
         dist.destroy_process_group()
 
 
-SAMPLE_KEYS = ("device", "out_dir", "sample_tokens", "seed")  # what --sample_only reads besides the snapshot
-
-
 def sample_from_snapshot(cfg, given):
-    """Print a sample from out_dir/snapshot.pt, with the model it was trained with."""
+    """Print a sample from out_dir/snapshot.pt, with the model it was trained with (the snapshot's: of the keys
+    given, only these apply)."""
+    reads = ("device", "out_dir", "sample_tokens", "seed")
+    if ignored := given - {"sample_only", *reads}:
+        raise UsageError(f"--sample_only takes its model from the snapshot in out_dir: --{', --'.join(sorted(ignored))} "
+                         f"would be ignored; only --{', --'.join(sorted(reads))} apply")
     device, path = pick_device(cfg), Path(cfg.out_dir) / snapshot.FILE
     snap = snapshot.read(path)
     cfg, _ = snapshot.continued(snap, cfg, given, path)
@@ -305,9 +304,6 @@ def program(argv):
         print(cli.usage("train.py"))
         return 0
     cfg, given = cli.parse_args(argv), cli.given(argv)
-    if cfg.sample_only and (ignored := given - {"sample_only", *SAMPLE_KEYS}):  # its model is the snapshot's
-        raise UsageError(f"--sample_only takes its model from the snapshot in out_dir: --{', --'.join(sorted(ignored))} "
-                         f"would be ignored; only --{', --'.join(sorted(SAMPLE_KEYS))} apply")
     sample_from_snapshot(cfg, given) if cfg.sample_only else train(cfg, given=given)
 
 

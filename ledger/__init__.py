@@ -9,4 +9,6 @@ and what puts its numbers to work. Read memory_ledger.py first, then trace.py.
   gpus.py      the GPUs the plan fits into, and their peak FLOP/s: each figure with its source
   parallel.py  ZeRO and FSDP traced over N ranks; TP, SP, PP, CP and offload per GPU
   papers.py    Korthikanti et al. and ZeRO's published figures beside the trace
+  live.py      on a GPU, the ledger's prediction beside the CUDA allocator after each step (train.py's Report)
+  fits.py      the tools' check that a shape fits before they run it, by the closed forms or a trace
 """

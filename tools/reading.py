@@ -10,6 +10,8 @@ tracer (sys.settrace, its threads too, every rank under torchrun), and counts th
 project's own files that executed. Not counted: import lines, def and class headers (their decorators and
 signatures too) and docstrings, which run by merely importing a file. What a learner reads for a mechanism
 is what its run executes beyond its base run's: the plain run first, then each flag on top of it.
+Every run is counted as on an x86 CPU without BF16 or FP16 instructions (ONEDNN_MAX_CPU_ISA=AVX2: the
+emulation's warning included), so the count is the same whichever CPU runs it, CI's or a learner's.
 """
 import ast
 import json
@@ -123,17 +125,17 @@ def run_row(row, folder):
     out_dir, traces = Path(folder) / "out", Path(folder) / "traces"
     traces.mkdir(parents=True)
     flags = [*TINY, *row.flags, f"--out_dir={out_dir}"]
-    python = [sys.executable]
+    python, env = [sys.executable], {**os.environ, "PYTHONHASHSEED": "0", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     if row.ranks > 1:
         python += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={row.ranks}"]
     if row.resumes:  # the snapshot at step 10 of the same run, written untraced
         ten = [f for f in flags if not f.startswith("--max_iters=")] + ["--max_iters=10", "--lr_decay_iters=20"]
-        first = subprocess.run([sys.executable, "train.py", *ten], cwd=ROOT, capture_output=True, text=True)
+        first = subprocess.run([sys.executable, "train.py", *ten], cwd=ROOT, capture_output=True, text=True, env=env)
         if first.returncode:
             raise RuntimeError(f"{row.name}: the run to resume from failed: {first.stderr.strip()[-400:]}")
         flags += ["--resume", "--lr_decay_iters=20"]
     done = subprocess.run([*python, "tools/reading.py", f"--trace={traces}", "--", "train.py", *flags],
-                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
+                          cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"{row.name}: exit status {done.returncode}: {done.stderr.strip()[-600:]}")
     lines = {}
