@@ -37,7 +37,7 @@ def format_papers(korthikanti, zero):
     bytes the row's reason names (computed from our terms, not typed in)."""
     lines = ["published figure vs ours (ledger/papers.py; Korthikanti et al. 2022 per layer in bytes, GPT-3 175B: "
              "s=2048 b=1 h=12288 a=96, BF16, dropout 0.1, CUDA; ours: this model.py's layer traced at that shape, "
-             "so a layer edited away from the paper's shows as UNEXPLAINED):",
+             "so a layer edited away from the paper's differs by more than the reasons given):",
              f"{'figure':44} {'formula':26} {'paper':>14} {'ours':>14} {'difference':>11}  why"]
     for name, formula, paper, ours, explained, why in korthikanti:
         mark = "" if ours - paper == explained else "  UNEXPLAINED"
