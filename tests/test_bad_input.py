@@ -29,9 +29,10 @@ ROOT_USER = os.geteuid() == 0  # root reads and writes through any permission bi
 
 @pytest.fixture(scope="session")
 def good_run(tmp_path_factory):
-    """An out_dir holding a real snapshot of TINY (the one every bad command must leave alone)."""
+    """An out_dir holding a real snapshot of TINY (the one every bad command must leave alone), in BF16: master
+    weights to damage whatever PRECISION=auto is on this CPU."""
     out = tmp_path_factory.mktemp("good")
-    assert train.main(merged(*TINY, f"--out_dir={out}")) == 0
+    assert train.main(merged(*TINY, "--precision=bf16", f"--out_dir={out}")) == 0
     return out
 
 
@@ -365,7 +366,7 @@ def test_a_snapshots_optimizer_settings_never_reach_the_run(out_dir):
             group.update(betas="0.9, 0.95", eps=-1e-8, amsgrad=True, lr="fast")
         return state
     broken_snapshot(out_dir, damage)
-    history = train.train(parse_args(merged(*TINY, f"--out_dir={out_dir}", "--resume", "--max_iters=3",
+    history = train.train(parse_args(merged(*TINY, "--precision=bf16", f"--out_dir={out_dir}", "--resume", "--max_iters=3",
                                             "--lr_decay_iters=2")), log=lambda line: None)
     groups = torch.load(out_dir / snapshot.FILE, weights_only=True)["optimizer"]["adamw"]["param_groups"]
     assert [h["step"] for h in history] == [3] and all(

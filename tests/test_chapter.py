@@ -14,6 +14,8 @@ MAY_DIFFER = {
     "about twice the Tensor Core throughput": "time on CPU",
     "BF16's range usually makes it [loss scaling] unnecessary": "at this scale",
     "Cost: about 33% more forward compute": "time on CPU",
+    "Selective checkpointing: recompute only the ops that are cheap but have large activations (here the loss's FP32 "
+    "logits, LOSS_CHUNKS=16)": "time on CPU",
     # FSDP2 keeps its root (the embeddings) gathered through backward: the paper's 1.5x counts every parameter twice
     "ZeRO-1 and ZeRO-2 communicate what DDP does (2 Psi), ZeRO-3 about 1.5x that": "each block twice",
 }

@@ -133,7 +133,8 @@ def test_terms_are_told_by_op_and_module_not_by_size():
     core's unit keeps its inputs (q, k, v); under full recompute only the units' inputs; FP8's Linears keep
     their inputs at one byte, named so."""
     def got(**over):
-        cfg = Config(device="cpu", n_layer=2, n_embd=64, n_head=2, block_size=32, batch_size=2, **over)
+        cfg = Config(device="cpu", n_layer=2, n_embd=64, n_head=2, block_size=32, batch_size=2,
+                     **{"precision": "bf16", **over})  # auto would be fp32 on a CPU without BF16
         traced = trace.step(cfg)
         terms, _ = ml.account(traced["saved_tensors"], traced["kinds"])
         return cfg, {term: sum(s.nbytes for s in tensors) for term, tensors in terms.items()}, terms

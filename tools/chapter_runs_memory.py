@@ -196,8 +196,8 @@ def recompute_cost(device, steps, shape):
 def loss_in_pieces(device, rounds, shape):
     """Selective recompute applied to the head: the loss in 16 pieces (LOSS_CHUNKS, model.ChunkedLoss)
     against whole, at GPT-2's vocabulary, both in one process (tools/bench_loss.py)."""
-    flags = [f"--device={device.type}", "--precision=bf16", "--n_layer=4", "--batch_size=8"] + \
-        [f"--{k}={v}" for k, v in shape.items()]
+    flags = [f"--device={device.type}", "--precision=bf16"] + \
+        [f"--{k}={v}" for k, v in {"n_layer": 4, "batch_size": 8, **shape}.items()]
     rows = {row["loss_chunks"]: row for row in bench_loss.measure_pieces(flags, rounds, 1)}
     whole, pieces = rows[1], rows[16]
     peak, speed = pieces["peak_bytes"] / whole["peak_bytes"], pieces["speed_vs_whole"]
