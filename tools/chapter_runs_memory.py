@@ -20,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import accumulate  # noqa: E402
+import precision  # noqa: E402
 import train  # noqa: E402
 from guards import cli  # noqa: E402
 from config import UsageError  # noqa: E402
@@ -195,15 +196,17 @@ def recompute_cost(device, steps, shape):
 
 def loss_in_pieces(device, rounds, shape):
     """Selective recompute applied to the head: the loss in 16 pieces (LOSS_CHUNKS, model.ChunkedLoss)
-    against whole, at GPT-2's vocabulary, both in one process (tools/bench_loss.py)."""
-    flags = [f"--device={device.type}", "--precision=bf16"] + \
+    against whole, at GPT-2's vocabulary, both in one process (tools/bench_loss.py). In the precision this
+    device computes (precision.native): the loss is FP32 in any, and emulated BF16 takes minutes at V=50,304."""
+    computes = precision.native(device)[0]
+    flags = [f"--device={device.type}", f"--precision={computes}"] + \
         [f"--{k}={v}" for k, v in {"n_layer": 4, "batch_size": 8, **shape}.items()]
     rows = {row["loss_chunks"]: row for row in bench_loss.measure_pieces(flags, rounds, 1)}
     whole, pieces = rows[1], rows[16]
     peak, speed = pieces["peak_bytes"] / whole["peak_bytes"], pieces["speed_vs_whole"]
     return Claim("3", "Selective checkpointing: recompute only the ops that are cheap but have large activations "
                  "(here the loss's FP32 logits, LOSS_CHUNKS=16)",
-                 f"V={bench_loss.VOCAB:,}: the step's peak x{peak:.2f} ({pieces['peak_bytes']:,} of "
+                 f"V={bench_loss.VOCAB:,}, {computes.upper()}: the step's peak x{peak:.2f} ({pieces['peak_bytes']:,} of "
                  f"{whole['peak_bytes']:,} bytes; the loss at its most {whole['loss_share']:.0%} of the peak whole, "
                  f"{pieces['loss_share']:.0%} in pieces), tokens/s x{speed:.3f} (median of {rounds} paired steps) on "
                  f"{machine(device)}", "peak x0.55 at most; tokens/s x0.95 at least (one head GEMM more, the logits "
