@@ -9,6 +9,7 @@ import io
 import math
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import precision
 import snapshot
 from guards import clean_end as files
 import train
-from guards.cli import parse_args
+from guards.cli import given, parse_args
 from conftest import ROOT, merged
 from test_bad_input import TINY, ends_in_one_line, good_run, listing, out_dir, run_main  # noqa: F401 (fixtures)
 
@@ -142,10 +143,10 @@ def test_normal_fp16_overflows_never_stop_a_run(tmp_path, capsys):
 def test_flags_given_on_a_resume_apply(out_dir, capsys):
     """--loss_scale (and the AdamW flags) given on a resume are applied, and the log says so for the
     scaler; the same flags as before restore the saved scaler (test_train's bit-identical resume)."""
-    lines = []
-    history = train.train(parse_args(merged(*TINY, f"--out_dir={out_dir}", "--resume", "--max_iters=4",
-                                            "--lr_decay_iters=2", "--loss_scale=1024", "--weight_decay=0.5")),
-                          log=lines.append)
+    lines, argv = [], merged(*TINY, f"--out_dir={out_dir}", "--resume", "--max_iters=4", "--lr_decay_iters=2",
+                             "--loss_scale=1024", "--weight_decay=0.5")
+    # the keys named as train.main names them: PRECISION=auto, decided here, is not a flag given
+    history = train.train(parse_args(argv), log=lines.append, given=given(argv))
     scales = [h["loss_scale"] for h in history]
     assert scales == [1024.0, 1024.0], f"the resumed run's loss scales are {scales}, not --loss_scale=1024"
     said = [line for line in lines if line.startswith("resumed at step 2: the flags given change ")]
@@ -373,7 +374,11 @@ def test_micro_batches_are_drawn_as_used():
     (["tools/bench.py", "--row", '{"flags": [1], "steps": 1, "warmup": 0, "autocast_reference": false}'],
      "--row takes one JSON job"),
 ])
-def test_internal_entry_points_give_one_line(argv, words):
-    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE")}
-    r = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    ends_in_one_line(r.returncode, r.stderr, 2, words)
+def test_internal_entry_points_give_one_line(argv, words, monkeypatch, capsys):
+    # each script run as `python script args` runs it, here in this process (no torch to import again)
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / argv[0]), *argv[1:]])
+    with pytest.raises(SystemExit) as ended:
+        runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+    ends_in_one_line(ended.value.code, capsys.readouterr().err, 2, words)

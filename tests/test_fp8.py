@@ -7,8 +7,6 @@ stand-in TE on CPU, the real one on a GPU).
 Tolerances that are not exact are about twice the error measured (seeds 0-5), so a recipe
 that silently got worse fails them."""
 import copy
-import subprocess
-import sys
 import types
 import weakref
 
@@ -23,7 +21,7 @@ import fp8
 from backends import fp8_gemm, fp8_refined, fp8_te
 import train
 from guards.cli import parse_args
-from conftest import ROOT, in_backward, merged, scaled_backward
+from conftest import in_backward, merged, scaled_backward
 from ledger import measure
 from fp8 import E4M3, E5M2, FP8Linear
 from config import Config, UsageError
@@ -929,12 +927,11 @@ def te_usable():
 
 
 @pytest.mark.skipif(te_usable(), reason="Transformer Engine and an sm89+ GPU are present here")
-def test_te_backend_without_te_or_gpu_exits_2_with_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", *TINY, f"--out_dir={tmp_path}", "--precision=fp8",
-                        "--fp8_backend=te", "--max_iters=1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2
-    assert r.stderr.startswith("error: fp8_backend=te") and r.stderr.count("\n") == 1
-    assert "Traceback" not in r.stderr
+def test_te_backend_without_te_or_gpu_exits_2_with_one_line(tmp_path, capsys):
+    status = train.main([*TINY, f"--out_dir={tmp_path}", "--precision=fp8", "--fp8_backend=te", "--max_iters=1"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("error: fp8_backend=te") and err.count("\n") == 1, err
+    assert "Traceback" not in err
 
 
 # ---------------------------------------------------------------- on a GPU (make gpu-check)

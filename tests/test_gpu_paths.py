@@ -3,8 +3,6 @@ runner, the allocator history's Python stacks, one rank per GPU, a broken Transf
 torch floor, the cuBLAS workspaces in the ledger's line, the fast configuration."""
 import inspect
 import json
-import os
-import subprocess
 import sys
 import types
 
@@ -173,17 +171,19 @@ def test_more_ranks_than_gpus_is_refused_in_one_line(tmp_path, capsys, monkeypat
     ("RuntimeError('cudnn shared object not found.')", "RuntimeError: cudnn shared object not found."),
     ("ModuleNotFoundError(\"No module named 'transformer_engine_torch'\", name='transformer_engine_torch')",
      "ModuleNotFoundError: No module named 'transformer_engine_torch'")])
-def test_a_broken_transformer_engine_is_refused_in_one_line(tmp_path, error, words):
+def test_a_broken_transformer_engine_is_refused_in_one_line(tmp_path, monkeypatch, capsys, error, words):
     """TE built against another torch fails in its own import: one line naming the cause, exit 2."""
     fake = tmp_path / "fake" / "transformer_engine"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(f"raise {error}\n")
-    r = subprocess.run([sys.executable, "train.py", *TINY, f"--out_dir={tmp_path / 'out'}", "--precision=fp8",
-                        "--fp8_backend=te"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(fake.parent)})
-    assert r.returncode == 2 and one_error_line(r.stderr), r.stderr
-    assert "Transformer Engine is installed but does not import" in r.stderr and words in r.stderr
-    assert "--fp8_backend=native" in r.stderr and not (tmp_path / "out").exists()
+    monkeypatch.syspath_prepend(str(fake.parent))  # found first, as an installed TE would be
+    for name in [m for m in sys.modules if m.partition(".")[0] == "transformer_engine"]:
+        monkeypatch.delitem(sys.modules, name)
+    status = train.main([*TINY, f"--out_dir={tmp_path / 'out'}", "--precision=fp8", "--fp8_backend=te"])
+    err = capsys.readouterr().err
+    assert status == 2 and one_error_line(err), err
+    assert "Transformer Engine is installed but does not import" in err and words in err
+    assert "--fp8_backend=native" in err and not (tmp_path / "out").exists()
 
 
 def test_transformer_engine_not_installed_still_says_how_to_install(monkeypatch):

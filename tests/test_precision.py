@@ -2,8 +2,6 @@
 FP16's underflow, and the dtype table demo (FP8 is tests/test_fp8.py).
 CPU, tiny models: FP16 matmuls run at about 1 GFLOP/s on CPU."""
 import copy
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ import precision
 import train
 from config import Config, UsageError
 from guards.cli import parse_args
-from conftest import ROOT, loss_scale, merged, scaled_backward
+from conftest import loss_scale, merged, scaled_backward
 from fp8 import E4M3, E5M2
 from precision import LossScaler, MasterWeightOptimizer
 from tools import demos
@@ -276,20 +274,17 @@ def test_underflow_demo_rows_and_table():
 
 # ---------------------------------------------------------------- the demo
 
-def test_dtype_table_cli_prints_finfo_values():
-    r = subprocess.run([sys.executable, "tools/demos.py", "dtypes"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 0
-    rows = {line[:9].strip(): line.split() for line in r.stdout.splitlines()[1:]}
+def test_dtype_table_cli_prints_finfo_values(capsys):
+    assert demos.main(["dtypes"]) == 0
+    rows = {line[:9].strip(): line.split() for line in capsys.readouterr().out.splitlines()[1:]}
     for name, dtype in (("FP16", torch.float16), ("BF16", torch.bfloat16), ("FP8 E4M3", E4M3), ("FP8 E5M2", E5M2)):
         assert float(rows[name][-3]) == pytest.approx(torch.finfo(dtype).max, rel=1e-3), name
     assert float(rows["FP8 E4M3"][-3]) == torch.finfo(E4M3).max  # 448 exactly
 
 
-def test_cli_bad_argument_exits_2():
-    r = subprocess.run([sys.executable, "tools/demos.py", "--bogus"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 2 and r.stderr.startswith("error:") and r.stderr.count("\n") == 1
+def test_cli_bad_argument_exits_2(capsys):
+    status, err = demos.main(["--bogus"]), capsys.readouterr().err
+    assert status == 2 and err.startswith("error:") and err.count("\n") == 1, err
 
 
 # ---------------------------------------------------------------- what PRECISION decides, once
