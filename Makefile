@@ -140,4 +140,4 @@ gpu-check: $(DEPS)
 	@$(PY) tools/gpu_check.py $(FLAGS)
 
 clean:
-	rm -rf out __pycache__ tests/__pycache__ tools/__pycache__ .pytest_cache
+	rm -rf out .cache __pycache__ tests/__pycache__ tools/__pycache__ .pytest_cache

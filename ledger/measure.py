@@ -219,13 +219,18 @@ class LiveTensors(TorchDispatchMode):
         key = StorageWeakRef(st).cdata
         if key not in self.live:
             self.live[key] = st.nbytes()
-            self.now, self.large = self.now + st.nbytes(), self.large + (st.nbytes() > SMALL_SIZE)
+            self._grew(key, st.nbytes(), 1)
             weakref.finalize(st, self.dead.append, key)  # torch keeps a storage's Python object while it lives
 
     def _drop_dead(self):
         while self.dead:
-            nbytes = self.live.pop(self.dead.pop(), 0)
-            self.now, self.large = self.now - nbytes, self.large - (nbytes > SMALL_SIZE)
+            key = self.dead.pop()
+            if key in self.live:
+                self._grew(key, self.live.pop(key), -1)
+
+    def _grew(self, key, nbytes, sign):
+        """The running sums as storage `key` of `nbytes` comes (sign 1) or goes (-1)."""
+        self.now, self.large = self.now + sign * nbytes, self.large + sign * (nbytes > SMALL_SIZE)
 
     def _counted(self, op=None, grew=False):
         """The peak so far, and a point of the timeline where an op grew the live bytes."""

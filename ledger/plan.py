@@ -88,8 +88,13 @@ class Extended:
         window, self.depths = self.depths_of(cfg)
         self.q, self.bs = q, (b[0], b[-1])
         keys = [(i, j) for i in range(2) for j in range(2)]
-        self.traced = dict(zip(keys, trace.all_of([("step", at_depth(cfg, self.depths[i], self.bs[j]), world, rank,
-                                                    micro_steps, True) for i, j in keys])))
+        if b == (1,):
+            self.traced = dict(zip(keys, trace.all_of([("step", at_depth(cfg, self.depths[i], 1), world, rank,
+                                                        micro_steps, True) for i, j in keys])))
+        else:  # one trace a depth, at marker(cfg) sequences, read as the traces at 2 and 3 would be
+            marked = trace.all_of([("step", at_depth(cfg, depth, trace.marker(cfg)), world, rank, micro_steps, True)
+                                   for depth in self.depths])
+            self.traced = {(i, j): at_micro_batch(marked[i], self.bs[j]) for i, j in keys}
         timelines = {key: segments(t["points"], self.depths[key[0]], k, window, cfg.shard == "fsdp")
                      for key, t in self.traced.items()}
         labels = list(timelines[0, 0])
@@ -110,10 +115,12 @@ class Extended:
     @staticmethod
     def depths_of(cfg):
         """(window, the two depths traced): FSDP's backward gathers the next block early, so two blocks at
-        each end are told apart (units of one block: traced at 4 and 5 units)."""
-        k, q, _ = units(cfg)
+        each end are told apart (units of one block: traced at 4 and 5 units). A model no deeper than the
+        two small traces together is traced at its own depth: that is fewer blocks run, and exact as it is."""
+        k, q, r = units(cfg)
         window = -(-2 // k) if cfg.shard == "fsdp" else 1
-        return window, ((2 * window, 2 * window + 1) if q > 2 * window + 1 else (q, q))
+        small = (2 * window * k + r) + ((2 * window + 1) * k + r)  # blocks the two small depths run
+        return window, ((2 * window, 2 * window + 1) if small < q * k + r else (q, q))
 
     def _at(self, f, b):
         """f(i, j) of the four traces, extended to this depth and micro-batch b."""
@@ -134,6 +141,21 @@ class Extended:
         at = self._at(lambda i, j: self.points[i, j], self.bs[0])
         y = self._at(lambda i, j: self.points[i, j], self.bs[0] + 1) - at if self.bs[1] > self.bs[0] else 0 * at
         return at - self.bs[0] * y, y
+
+
+def at_micro_batch(marked, b):
+    """A trace at trace.marker(cfg) sequences (trace.PerSequence) as the trace at micro-batch b, 2 or 3, reads:
+    its points and phases their fixed bytes + b x their bytes per sequence; its inputs and FLOPs b of its own
+    per sequence; all else (states, buffers, what FSDP gathers) the same at every b."""
+    m = marked["per_sequence"]
+    out = dict(marked, points=[(where, op, fixed + b * each, storages, large[b - 2])
+                               for where, op, fixed, each, storages, *large in marked["points"]],
+               phase={name: fixed + b * each for name, (fixed, each) in marked["phase"].items()})
+    for name in ("inputs", "flops", "fp8_flops"):
+        if out[name] % m:
+            raise ValueError(f"the trace's {name} are no whole figure per sequence: not linear in the micro-batch")
+        out[name] = out[name] // m * b
+    return out
 
 
 def said(label):

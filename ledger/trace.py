@@ -9,9 +9,12 @@ runs the GPU kernels' memory rules (`CUDA`), unverified until `make gpu-check`. 
 """
 import contextlib
 import dataclasses
+import hashlib
+import math
 import multiprocessing
 import signal
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ import memory_ledger
 import model
 import precision
 from backends import fp8_gemm
+from guards.clean_end import write_atomically
 from ledger import comm, measure
 
 # DDP (SHARD=none over N ranks), beyond its unwrapped model: the reducer copies every gradient into
@@ -187,14 +191,69 @@ class Missing(Exception):
 
 def _cached(kind, cfg, *args):
     key = _key(kind, cfg, *args)
+    if key not in _TRACED and (kept := _from_disk(kind, cfg, *args)) is not None:
+        _TRACED[key] = kept
     if key not in _TRACED:
         if _ASKED:
             _ASKED[-1].append((kind, cfg, *args))
             raise Missing(kind)
         if len(_TRACED) > 4096:
             _TRACED.clear()
-        _TRACED[key] = KINDS[kind](cfg, *args)
+        _TRACED[key] = _made(kind, cfg, *args)
     return _TRACED[key]
+
+
+COUNTS = {"traced": 0, "read": 0}  # traces made in this process and its workers, and read from disk
+_DISK = []  # kept_on_disk's folder, while it keeps traces
+_MODEL_AS_IMPORTED = flops.model_code()  # model.py as its file says: a test's patch of it is kept nowhere
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def kept_on_disk(folder):
+    """Traces kept in `folder` too (None: not), so that a second question reads them: each in a file
+    named by everything that makes it, model.py's content and the code that runs it (every .py file of the
+    project but the tests' and tools') among it: an edit of any of them is a new name, never a stale trace."""
+    _DISK.append(Path(folder) if folder else None)
+    try:
+        yield
+    finally:
+        _DISK.pop()
+
+
+def _disk_path(kind, cfg, *args):
+    if not _DISK or _DISK[-1] is None or flops.model_code() != _MODEL_AS_IMPORTED:
+        return None
+    if not _CODE:
+        files = sorted(p for p in [*ROOT.glob("*.py"), *ROOT.glob("*/*.py")] if p.parent.name not in ("tests", "tools"))
+        _CODE.append(hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest())
+    made_of = repr((kind, repr(cfg), args, emulated(cfg), _CODE[0], torch.__version__))
+    return _DISK[-1] / f"{hashlib.sha256(made_of.encode()).hexdigest()[:40]}.pt"
+
+
+_CODE = []  # the project's code, hashed once a process
+
+
+def _from_disk(kind, cfg, *args):
+    """The kept trace of this request, or None (none kept, or one that cannot be read: traced again)."""
+    path = _disk_path(kind, cfg, *args)
+    try:
+        out = torch.load(path, weights_only=True) if path and path.exists() else None
+    except Exception:  # noqa: BLE001  (a cache: whatever is wrong with the file, the trace is made again)
+        return None
+    COUNTS["read"] += out is not None
+    return out
+
+
+def _made(kind, cfg, *args, out=None):
+    """A trace made now (or `out`, made by a worker), counted and kept on disk where kept_on_disk asks."""
+    out = KINDS[kind](cfg, *args) if out is None else out
+    COUNTS["traced"] += 1
+    if path := _disk_path(kind, cfg, *args):
+        with contextlib.suppress(OSError):  # a cache that cannot be written: the trace is made again next time
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, lambda fh: torch.save(out, fh))
+    return out
 
 
 def all_of(requests):
@@ -223,22 +282,27 @@ def rounds(evaluate, items, workers):
     evaluated while the traces it finds missing are noted (it stops at them), those are traced, forked
     (each process inherits model.py as this one holds it), the longest first, and again until none is
     missing. What a worker cannot trace is left to be traced (and to raise) here, where it is asked."""
-    while workers > 1 and "fork" in multiprocessing.get_all_start_methods():
-        _ASKED.append([])
-        try:
-            for item in items:
-                with contextlib.suppress(Missing):
-                    evaluate(item)
-        finally:
-            todo = {_key(*request): request for request in _ASKED.pop()}
-        if not todo:
-            break
-        todo = dict(sorted(todo.items(), key=lambda item: -_cost(*item[1][:2])))
-        with multiprocessing.get_context("fork").Pool(min(workers, len(todo)), initializer=_worker_start) as pool:
-            _TRACED.update((key, out) for key, out in zip(todo, pool.imap(_traced_or_none, todo.values()))
-                           if out is not None)
-        if not any(key in _TRACED for key in todo):
-            break
+    pool = None  # one pool for every round: a worker's fake-tensor cache and imports stay warm (~0.5 s each)
+    try:
+        while workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+            _ASKED.append([])
+            try:
+                for item in items:
+                    with contextlib.suppress(Missing):
+                        evaluate(item)
+            finally:
+                todo = {_key(*request): request for request in _ASKED.pop()}
+            if not todo:
+                break
+            todo = dict(sorted(todo.items(), key=lambda item: -_cost(*item[1][:2])))
+            pool = pool or multiprocessing.get_context("fork").Pool(workers, initializer=_worker_start)
+            _TRACED.update((key, _made(*todo[key], out=out)) for key, out in
+                           zip(todo, pool.imap(_traced_or_none, todo.values())) if out is not None)
+            if not any(key in _TRACED for key in todo):
+                break
+    finally:
+        if pool:
+            pool.terminate()
     return [evaluate(item) for item in items]
 
 
@@ -341,6 +405,53 @@ def _device(cfg):
     return torch.device("cuda" if cfg.device == "cuda" and not emulated(cfg) else "cpu")
 
 
+def marker(cfg):
+    """The micro-batch a planner's trace runs at (`PerSequence`): the least prime over 64 x cfg's largest
+    dimension (and none of its widths, heads or pieces a multiple of it), so it divides a storage's bytes just
+    where the micro-batch is one of its dimensions. A fake tensor of a million sequences costs what one of two
+    does: nothing but its shape."""
+    n = 64 * max(cfg.n_embd, cfg.block_size, cfg.vocab_size) + 1
+    while any(n % d == 0 for d in range(2, math.isqrt(n) + 1)):
+        n += 1
+    return n
+
+
+class PerSequence(measure.LiveTensors):
+    """LiveTensors of a step at m = marker(cfg) sequences that tells its bytes apart: a storage whose bytes m
+    divides grows with the micro-batch (bytes per sequence), any other does not (fixed). So one trace is the
+    step at every micro-batch b >= 2: its points are (where, op, fixed, per sequence, storages, storages over
+    1 MiB at b = 2, at b = 3), and each reading is kept split (`split`: reading -> (fixed, per sequence))."""
+
+    def __init__(self, device, m, outputs=None):
+        super().__init__(device, timeline=True, outputs=outputs)
+        self.m, self.per_sequence, self.sequence_bytes, self.large_at, self.split = m, {}, 0, [0, 0], {}
+
+    def _grew(self, key, nbytes, sign):
+        if sign > 0 and nbytes and nbytes % self.m == 0:
+            self.per_sequence[key] = nbytes // self.m
+        each = self.per_sequence.pop(key, 0) if sign < 0 else self.per_sequence.get(key, 0)
+        if not each:
+            return super()._grew(key, nbytes, sign)
+        self.now, self.sequence_bytes = self.now + sign * nbytes, self.sequence_bytes + sign * each
+        self.large_at = [n + sign * (b * each > measure.SMALL_SIZE) for n, b in zip(self.large_at, (2, 3))]
+
+    def _counted(self, op=None, grew=False):
+        super()._counted(op)
+        if grew:
+            self.points.append(((self.phases, self.phase, self.where), op, self.now - self.m * self.sequence_bytes,
+                                self.sequence_bytes, len(self.live), *(self.large + n for n in self.large_at)))
+
+    def read(self):
+        now = super().read()
+        self.split[now] = (now - self.m * self.sequence_bytes, self.sequence_bytes)
+        return now
+
+    def _resized(self, st):
+        if measure.StorageWeakRef(st).cdata in self.per_sequence:
+            raise ValueError("a storage that grows with the micro-batch was resized in place")
+        super()._resized(st)
+
+
 def _trace(cfg, world, rank, micro_steps, planned):
     device = _device(cfg)
     with fake_ranks(world, rank), fake_tensors(), cuda_rules(emulated(cfg)):
@@ -354,12 +465,16 @@ def _trace(cfg, world, rank, micro_steps, planned):
             if planned:
                 counted.count(func, args, kwargs, out)
             return cuda_dtypes(func, args, kwargs, out) if cuda else out
+        marked = planned and cfg.batch_size == marker(cfg)
+        tracker = PerSequence(device, cfg.batch_size, outputs) if marked else measure.LiveTensors(device, planned,
+                                                                                                   outputs)
         with comm.Count() as count:
             out = measure.measure(model_, parts, batch, device, micro_steps, timeline=marks if planned else None,
-                                  until_step=planned and cfg.shard != "fsdp",
-                                  tracker=measure.LiveTensors(device, planned, outputs))
+                                  until_step=planned and cfg.shard != "fsdp", tracker=tracker)
         if planned:  # the planner's: its timeline and figures (it keeps a trace for each of hundreds of configs)
             out.pop("saved_tensors")
+        if marked:  # each phase's reading as (fixed, per sequence)
+            out.update(phase={name: tracker.split[n] for name, n in out["phase"].items()}, per_sequence=cfg.batch_size)
         params = list(model_.parameters())  # (a DTensor's numel is the whole parameter's)
         owners = {name: module for path, module in model_.named_modules()
                   for name in [f"{path}.{n}" if path else n for n, _ in module.named_parameters(recurse=False)]}
@@ -372,11 +487,11 @@ def _trace(cfg, world, rank, micro_steps, planned):
                    // micro_steps, kinds=memory_ledger.module_kinds(model_),
                    params=(sum(p.numel() for p in params), len(params)), host=0)
         out["held"], out["buffer_counts"], (host, host_n, _) = _held(cfg, model_, parts, device)
-        if host:  # AdamW's step counts are host memory on a GPU: static, out of every reading
+        if host:  # AdamW's step counts are host memory on a GPU: static, out of every reading (fixed bytes)
             out.update(host=host, optimizer=out["optimizer"] - host, peak=out["peak"] - host,
-                       points=[(where, op, n - host, storages - host_n, large)
-                               for where, op, n, storages, large in out["points"] or []],
-                       phase={k: v - host for k, v in out["phase"].items()})
+                       points=[(where, op, n - host, *rest[:i], rest[i] - host_n, *rest[i + 1:])  # (storages: i)
+                               for where, op, n, *rest in out["points"] or [] for i in [1 if marked else 0]],
+                       phase={k: (v[0] - host, v[1]) if marked else v - host for k, v in out["phase"].items()})
     if world > 1 and cfg.shard == "none":  # DDP: what its reducer holds and sends, beyond the unwrapped model
         out["ddp_buckets"] = out["parameters"]  # a copy of every gradient, in the parameters' dtype
         if parts.grad_buffers is None:  # with FP32 sums every micro-step is no_sync: accumulate.py all-reduces them

@@ -3,6 +3,7 @@ at every micro-batch and on every rank; the solve is the search; on CPU the plan
 under the budget and the next one over it, as ledger/measure.py measures them (one process and ZeRO-2 over
 2 gloo ranks); BATCH_SIZE is a question the plan answers."""
 import json
+import re
 import subprocess
 import sys
 from dataclasses import astuple, replace
@@ -38,11 +39,11 @@ DEEP = dict(n_layer=6, n_embd=32, n_head=2, block_size=64, vocab_size=256, devic
 @pytest.mark.parametrize("over,world,micro_steps", [  # one micro-step or two: one process, ZeRO and FSDP each meet both
     (dict(precision="fp32"), 1, 1), (dict(precision="bf16", ckpt="full", attn="sdpa"), 1, 2),
     (dict(precision="bf16", ckpt="selective", dropout=0.1), 1, 1),
-    (dict(precision="fp16", ckpt="sqrt", ckpt_segment=2, n_layer=9), 1, 1), (dict(precision="fp8"), 1, 2),
+    (dict(precision="fp16", ckpt="sqrt", ckpt_segment=2, n_layer=13), 1, 1), (dict(precision="fp8"), 1, 2),
     (dict(precision="bf16", shard="none", fp32_grad_accum=True), 2, 2), (dict(precision="fp32", shard="zero1"), 2, 1),
-    (dict(precision="bf16", shard="zero2", bias=False), 3, 2), (dict(precision="bf16", shard="fsdp", n_layer=7), 2, 1),
-    (dict(precision="fp32", shard="fsdp", ckpt="full", n_layer=7), 2, 2),
-    (dict(precision="bf16", shard="fsdp", ckpt="sqrt", ckpt_segment=2, n_layer=9), 2, 2),
+    (dict(precision="bf16", shard="zero2", bias=False), 3, 2), (dict(precision="bf16", shard="fsdp", n_layer=10), 2, 1),
+    (dict(precision="fp32", shard="fsdp", ckpt="full", n_layer=10), 2, 2),
+    (dict(precision="bf16", shard="fsdp", ckpt="sqrt", ckpt_segment=2, n_layer=13), 2, 2),
     (dict(precision="bf16", loss_chunks=4, vocab_size=4096), 1, 2)])
 def test_the_extended_step_is_the_step_traced_whole(over, world, micro_steps):
     """What the plan relies on: traced at 2 and 3 units (4 and 5 blocks under FSDP) and micro-batches 2 and 3, every
@@ -196,8 +197,8 @@ def test_zero2_over_two_gloo_ranks_as_measured(tmp_path):
 
 
 def test_one_trace_serves_every_sharding_and_rank(monkeypatch):
-    # the plan's cost: per precision, ckpt and attn four small traces shared by DDP, ZeRO-1/2 and all 4 ranks,
-    # four more under FSDP; each kind of ZeRO rank's optimizer step once, whatever the policy
+    # the plan's cost: per precision, ckpt and attn two small traces (one a depth) shared by DDP, ZeRO-1/2 and all 4
+    # ranks, two more under FSDP; each kind of ZeRO rank's optimizer step once, whatever the policy
     steps, optimizers = [], []
     real_step, real_optimizer = trace.KINDS["step"], trace.KINDS["optimizer step"]
     monkeypatch.setitem(trace.KINDS, "step", lambda cfg, *a: steps.append(cfg.shard) or real_step(cfg, *a))
@@ -208,12 +209,11 @@ def test_one_trace_serves_every_sharding_and_rank(monkeypatch):
     rows = [row for ckpt in policies for row in
             lp.plan(cfg, gpus.find_gpu("24GiB"), 4, 16 * 4 * 32, dict(precision="bf16", attn="manual", ckpt=ckpt))]
     assert len(rows) == 2 * 4 and all(r.why is None and r.b > 1 for r in rows), [(r.shard, r.why) for r in rows]
-    # four traces (two depths, two micro-batches), two where the model has too few units to extend (traced whole)
-    # (FSDP's one micro-step is traced apart from its two: where a row takes K = 1, twice as many)
+    # a trace a depth (at marker(cfg) sequences: every micro-batch), one where the model is traced at its own depth
+    # (no deeper than the two) (FSDP's one micro-step is traced apart from its two: where a row takes K = 1, twice)
     once = {r.ckpt: r.accum == 1 for r in rows if r.shard == "fsdp"}
-    traces = {shard: sum((2 if lp.units(replace(cfg, ckpt=ckpt, shard=shard))[1] <= 2 * window + 1 else 4)
-                         * (1 + (shard == "fsdp" and once[ckpt])) for ckpt in policies)
-              for shard, window in (("none", 1), ("fsdp", 2))}
+    traces = {shard: sum(len(set(lp.Extended.depths_of(replace(cfg, ckpt=ckpt, shard=shard))[1]))
+                         * (1 + (shard == "fsdp" and once[ckpt])) for ckpt in policies) for shard in ("none", "fsdp")}
     assert steps.count("none") == traces["none"] and steps.count("fsdp") == traces["fsdp"], (traces, steps)
     kinds = len(lp.differing_ranks(replace(cfg, shard="zero1"), 4))
     assert sorted(optimizers) == sorted(["none"] + ["zero1"] * kinds + ["zero2"] * kinds), optimizers
@@ -325,3 +325,36 @@ def test_one_rank_of_each_kind_is_traced_for_all(shard):
         assert kinds.at(b)[0] == every.at(b)[0], f"b={b}: peak {kinds.at(b)} over the kinds, {every.at(b)} over all"
     budget = kinds.at(4)[0]
     assert kinds.largest(budget) == every.largest(budget)
+
+
+def test_a_second_question_reads_the_kept_traces_and_an_edit_of_model_py_makes_new_ones(tmp_path, monkeypatch, capsys):
+    # make plan keeps its traces on disk: asked again (another GPU, a new process: the memo empty) it traces nothing
+    # and answers alike; an edit of model.py's text names new files; a file that cannot be read is traced again
+    argv = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--precision=bf16", "--attn=sdpa",
+            f"--out_dir={tmp_path / 'out'}", f"--trace_cache={tmp_path / 'traces'}"]
+
+    def asked(*more):
+        monkeypatch.setattr(trace, "_TRACED", {})
+        assert tool.main(argv + list(more)) in (0, 1)
+        text = capsys.readouterr().out
+        made, read = re.search(r"(\d+) traces made, (\d+) read from ", text).groups()
+        return int(made), int(read), [line for line in text.splitlines() if line.startswith("bf16 ")]
+    made, read, rows = asked("--gpu=1GiB")
+    kept = sorted((tmp_path / "traces").iterdir())
+    assert made == len(kept) > 0 and read == 0, (made, read, kept)
+    assert asked("--gpu=1GiB") == (0, made, rows), "asked again, the plan traced anew or answered otherwise"
+    assert asked("--gpu=2GiB")[:2] == (0, made), "another GPU's size needs no trace of its own"
+    kept[0].write_bytes(b"not a trace")
+    assert asked("--gpu=1GiB") == (1, made - 1, rows), "a kept file that cannot be read is not traced again"
+    # an edit of model.py (a comment will do): its text is part of every name
+    copy = tmp_path / "project"
+    for source in [*ROOT.glob("*.py"), *ROOT.glob("*/*.py")]:
+        (copy / source.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+        (copy / source.relative_to(ROOT)).write_bytes(source.read_bytes())
+    (copy / "model.py").write_text((copy / "model.py").read_text() + "# a learner's note\n")
+    monkeypatch.setattr(trace, "ROOT", copy)
+    monkeypatch.setattr(trace, "_CODE", [])
+    assert asked("--gpu=1GiB") == (made, 0, rows), "model.py edited, the kept traces were read as they were"
+    (tmp_path / "a file").write_text("")
+    assert tool.main(argv[:-1] + [f"--trace_cache={tmp_path / 'a file'}"]) == 2
+    assert capsys.readouterr().err.startswith("error: --trace_cache=")

@@ -33,7 +33,7 @@ import checkpoint  # noqa: E402
 from config import UsageError, choices, key  # noqa: E402
 from guards import cli  # noqa: E402
 from guards.clean_end import check_writable, write_atomically  # noqa: E402
-from ledger import gpus  # noqa: E402
+from ledger import gpus, trace  # noqa: E402
 from ledger import plan as lp  # noqa: E402
 from ledger.measure import SMALL_SIZE  # noqa: E402
 from tools.ledger_report import fmt_bytes  # noqa: E402
@@ -54,6 +54,8 @@ class PlanOptions:
     mfu: float = key(lp.MFU, "the share of the GPU's peak FLOP/s the step time assumes, in (0, 1]", at_least=0.0)
     context_mib: int = key(lp.CONTEXT_MIB, "MiB the CUDA context takes outside PyTorch's allocator "
                                            "(make gpu-check measures it)", at_least=0)
+    trace_cache: str = key(".cache/traces", "the folder traces are kept in, so a second question reads them "
+                                            "(relative: to the project); empty: none kept")
 
 
 def options(argv):
@@ -192,8 +194,14 @@ def program(argv):
     path = Path(cfg.out_dir) / "plan.svg"
     check_writable(path.parent, "--out_dir")
     world = opts.nproc
-    rows = lp.plan(cfg, gpu, world, target, fixed, opts.mfu, 0 if cfg.device == "cpu" else opts.context_mib * lp.MIB,
-                   batch, workers=len(os.sched_getaffinity(0)))  # a process per core traces
+    cache = opts.trace_cache and Path(__file__).resolve().parent.parent / opts.trace_cache
+    if cache:
+        check_writable(cache, "--trace_cache")
+    counts = dict(trace.COUNTS)
+    with trace.kept_on_disk(cache):
+        rows = lp.plan(cfg, gpu, world, target, fixed, opts.mfu, 0 if cfg.device == "cpu" else
+                       opts.context_mib * lp.MIB, batch, workers=len(os.sched_getaffinity(0)))  # a process per core
+    made, read = (trace.COUNTS[k] - counts[k] for k in ("traced", "read"))
     if not rows:
         raise UsageError(f"nothing to plan: {', '.join(f'{k}={v}' for k, v in fixed.items())} with NPROC={world}")
     P = sum(math.prod(shape) for shape in lp.param_shapes(cfg))
@@ -231,7 +239,8 @@ def program(argv):
         write_atomically(path, lambda fh: fh.write(picture.encode()))
     except OSError as e:
         raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
-    print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")
+    print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s: {made} traces made"
+          + (f", {read} read from {cache}" if cache else "") + ")")
     return 0 if fits else 1
 
 
