@@ -25,9 +25,9 @@ from model import default_linear
 # ---------------------------------------------------------------- master weights + optimizer
 
 def host_value(t, assumed):
-    """float(t): a host sync. A fake tensor (the ledger's trace, ledger/trace.py: shapes, no values) has no
-    value; it stands for `assumed`, which the caller states."""
-    return assumed if is_fake(t) else float(t)
+    """float(t): a host sync. A fake or meta tensor (the ledger's trace, ledger/trace.py: shapes, no values) has
+    no value; it stands for `assumed`, which the caller states."""
+    return assumed if t.is_meta or is_fake(t) else float(t)
 
 
 def squared_sum(grads):

@@ -209,7 +209,7 @@ class LiveTensors(TorchDispatchMode):
             self._add(t)
 
     def _add(self, t):
-        if not isinstance(t, torch.Tensor) or t.device.type != self.device.type or t.is_meta:
+        if not isinstance(t, torch.Tensor) or t.device.type != self.device.type:
             return
         try:
             st = local(t).untyped_storage()  # a DTensor's own storage is its whole size: its shard is what it holds

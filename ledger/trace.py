@@ -344,12 +344,16 @@ def optimizer_config(cfg):
                    compile=False, loss_chunks=1)
 
 
-def _optimizer_step(cfg, world, rank):
+def _optimizer_step(cfg, world, rank, meta=None):
     """Rank `rank`'s optimizer step alone at cfg's full depth (ZeRO's slices make each depth's unlike), its
     gradients made as backward leaves them, counted after a first (AdamW's states appear). Returns dict(held:
-    states and FP32 sums; buffers; start: the bytes alive as it begins; points; calls; parameters: bytes)."""
-    device = _device(cfg)
-    with fake_ranks(world, rank), fake_tensors(), cuda_rules(emulated(cfg)):
+    states and FP32 sums; buffers; start: the bytes alive as it begins; points; calls; parameters: bytes).
+    A GPU's (meta None: cfg.device cuda) runs on the meta device, not on fake tensors, at a tenth of the cost
+    (FakeTensorMode's cache key and per-tensor foreach were most of it): what the code makes on the CPU by
+    name stays off it as it stays off a GPU (AdamW's step counts, a constant's copy: tests/test_plan.py)."""
+    meta = cfg.device == "cuda" if meta is None else meta
+    device = torch.device("meta") if meta else _device(cfg)
+    with fake_ranks(world, rank), device if meta else fake_tensors(), cuda_rules(emulated(cfg)):
         model_, parts = build.build(cfg, device)
         opt = parts.optimizer
 

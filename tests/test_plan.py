@@ -358,3 +358,31 @@ def test_a_second_question_reads_the_kept_traces_and_an_edit_of_model_py_makes_n
     (tmp_path / "a file").write_text("")
     assert tool.main(argv[:-1] + [f"--trace_cache={tmp_path / 'a file'}"]) == 2
     assert capsys.readouterr().err.startswith("error: --trace_cache=")
+
+
+def below_its_neighbour(more, fewer):
+    """Whether `more` is `fewer` with points added, each below the point before it (so never the highest)."""
+    kept, last = 0, None
+    for point in more:
+        if kept < len(fewer) and point == fewer[kept]:
+            kept, last = kept + 1, point
+        elif last is None or point[0] >= last[0]:
+            return False
+    return kept == len(fewer)
+
+
+@pytest.mark.parametrize("precision,fp32_grad_accum", [("fp32", False), ("bf16", True), ("fp16", False), ("fp8", False)])
+def test_a_gpus_optimizer_step_on_the_meta_device_is_its_fake_step(precision, fp32_grad_accum):
+    # the meta device stands in for fake tensors in a GPU's optimizer step: every figure alike, and its timeline
+    # the same but for what the code makes on the CPU by name (a constant's copy), which a GPU's memory never holds
+    cfg = Config(n_layer=3, n_embd=64, n_head=2, block_size=32, vocab_size=256, device="cuda", precision=precision,
+                 fp32_grad_accum=fp32_grad_accum)
+    for shard, world in (("none", 1), ("zero1", 3), ("zero2", 3)):
+        for rank in range(world):
+            at = trace.optimizer_config(replace(cfg, shard=shard))
+            fake, meta = trace._optimizer_step(at, world, rank, meta=False), trace._optimizer_step(at, world, rank)
+            differ = [name for name in fake if name != "points" and fake[name] != meta[name]]
+            assert not differ, f"{precision} {shard} rank {rank}: " + "; ".join(
+                f"{name} fake {fake[name]}, meta {meta[name]}" for name in differ)
+            assert below_its_neighbour(fake["points"], meta["points"]), \
+                f"{precision} {shard} rank {rank}: the meta step's timeline is not the fake one's, less low points"
