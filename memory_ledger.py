@@ -241,7 +241,7 @@ def differences(cfg, terms, unmatched):
 
 def loss_differences(cfg, alive):
     """[line] naming what the loss holds at its most beyond loss_temporaries_closed's three FP32 tensors:
-    `alive` is [(dtype, shape, bytes)] of each storage then (ledger/trace.loss_at_most)."""
+    `alive` is [(dtype, shape, bytes)] of each storage then (ledger/loss.loss_at_most)."""
     rows = cfg.batch_size * cfg.block_size
     piece = {rows // cfg.loss_chunks, math.ceil(rows / cfg.loss_chunks)}  # tensor_split's sizes
     left, others = 3, []

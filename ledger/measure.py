@@ -197,14 +197,12 @@ class LiveTensors(TorchDispatchMode):
         super().__init__()
         self.outputs = outputs  # None, or (op, args, kwargs, its outputs) -> the outputs to count (ledger/trace.py)
         self.device, self.live, self.dead = torch.device(device), {}, []  # live: storage id -> bytes; dead: ids
-        self.now = self.peak = 0  # now: the bytes in `live`, kept as a running sum
+        self.now = self.peak = self.large = 0  # the bytes in `live`, kept as a running sum; large: those over 1 MiB
         self.phase = self.peak_phase = "start"
         # timeline: each op that allocated, as ((phases begun, phase, `marks`' block), op, bytes, storages, large)
         self.points, self.phases, self.where = ([] if timeline else None), 0, None
-        self.large = 0  # storages over SMALL_SIZE alive (the CUDA allocator may hold each in a larger block)
 
-    def adopt(self, tensors):
-        """Start counting storages made before the tracker was switched on."""
+    def adopt(self, tensors):  # start counting storages made before the tracker was switched on
         for t in tensors:
             self._add(t)
 
@@ -218,18 +216,15 @@ class LiveTensors(TorchDispatchMode):
         self._drop_dead()  # a dead storage's id may be a new one's now
         key = StorageWeakRef(st).cdata
         if key not in self.live:
-            self.live[key] = st.nbytes()
-            self._grew(key, st.nbytes(), 1)
+            self._grew(key, self.live.setdefault(key, st.nbytes()), 1)
             weakref.finalize(st, self.dead.append, key)  # torch keeps a storage's Python object while it lives
 
     def _drop_dead(self):
         while self.dead:
-            key = self.dead.pop()
-            if key in self.live:
+            if (key := self.dead.pop()) in self.live:
                 self._grew(key, self.live.pop(key), -1)
 
-    def _grew(self, key, nbytes, sign):
-        """The running sums as storage `key` of `nbytes` comes (sign 1) or goes (-1)."""
+    def _grew(self, key, nbytes, sign):  # the running sums as storage `key` comes (sign 1) or goes (-1)
         self.now, self.large = self.now + sign * nbytes, self.large + sign * (nbytes > SMALL_SIZE)
 
     def _counted(self, op=None, grew=False):
@@ -267,11 +262,11 @@ class LiveTensors(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _resized(self, st):
-        key = StorageWeakRef(st).cdata
-        if key in self.live:
+        if (key := StorageWeakRef(st).cdata) in self.live:
             old, new = self.live[key], st.nbytes()
-            self.live[key], self.now = new, self.now + new - old
-            self.large += (new > SMALL_SIZE) - (old > SMALL_SIZE)
+            self._grew(key, old, -1)
+            self.live[key] = new
+            self._grew(key, new, 1)
             self._counted("resize_", new > old)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -1,10 +1,11 @@
 """Will it fit? Every configuration of a model that fits a GPU, its largest micro-batch and what it
 costs, from the traced step. tools/plan.py (`make plan`) prints them, fastest first.
 
-Chapter section 4 put to work. Read first: `Extended` (a big model's step from four small traces),
+Chapter section 4 put to work. Read first: `Extended` (a big model's step from two small traces),
 then `Peaks` (one configuration's peak on each kind of rank, at any micro-batch), then `plan`.
-Every figure is ledger/trace.py's, model.py run on fake tensors: a step traced at two depths and two
-micro-batches extends exactly to any (blocks are alike, bytes bilinear in depth and micro-batch).
+Every figure is ledger/trace.py's, model.py run on fake tensors: a step traced at two depths, each at a
+micro-batch whose storages say how they grow with it, extends exactly to any depth and micro-batch (blocks
+are alike, bytes bilinear in depth and micro-batch).
 docs/plan.md has the why of each step and what is exact.
 """
 import math
@@ -17,8 +18,9 @@ import torch
 import checkpoint
 import precision
 import zero
-from config import PRECISIONS, UsageError, choices, validate
+from config import PRECISIONS, Config, UsageError, choices, validate
 from ledger import comm, trace
+from ledger.loss import loss_at_most
 from ledger.measure import MIN_BLOCK, SMALL_SIZE
 from model import GPT
 
@@ -28,7 +30,7 @@ MFU = 0.40  # the utilization of the GPU's peak the step time assumes, stated, n
 TARGET_TOKENS = 2 ** 19  # the default target batch, tokens per optimizer step (nanoGPT's GPT-2 run: 524,288)
 
 
-# ---------------------------------------------------------------- a big step from four small traces
+# ---------------------------------------------------------------- a big step from two small traces
 
 def units(cfg):
     """(blocks per unit k, full units q, blocks left over r) of cfg's recompute policy: L = q*k + r."""
@@ -79,9 +81,9 @@ def _runs(points):
 
 class Extended:
     """cfg's traced step at its depth and any micro-batch b >= 2 (b=(1,): at b = 1), from traces at 2 and 3
-    units (a model of 3 units or fewer: at its depth) and micro-batches 2 and 3. Each point's bytes and
-    storages (all, and those over 1 MiB), and each figure: f22 + (q-2)(f32 - f22) + (b-2)(f23 - f22) +
-    (q-2)(b-2)(f33 - f32 - f23 + f22)."""
+    units (a model no deeper than both together: at its depth), each at trace.marker(cfg) sequences and read
+    at micro-batches 2 and 3 (trace.at_micro_batch). Each point's bytes and storages (all, and those over 1 MiB),
+    and each figure: f22 + (q-2)(f32 - f22) + (b-2)(f23 - f22) + (q-2)(b-2)(f33 - f32 - f23 + f22)."""
 
     def __init__(self, cfg, world=1, rank=0, micro_steps=1, b=(2, 3)):
         k, q, _ = units(cfg)
@@ -94,7 +96,7 @@ class Extended:
         else:  # one trace a depth, at marker(cfg) sequences, read as the traces at 2 and 3 would be
             marked = trace.all_of([("step", at_depth(cfg, depth, trace.marker(cfg)), world, rank, micro_steps, True)
                                    for depth in self.depths])
-            self.traced = {(i, j): at_micro_batch(marked[i], self.bs[j]) for i, j in keys}
+            self.traced = {(i, j): trace.at_micro_batch(marked[i], self.bs[j]) for i, j in keys}
         timelines = {key: segments(t["points"], self.depths[key[0]], k, window, cfg.shard == "fsdp")
                      for key, t in self.traced.items()}
         labels = list(timelines[0, 0])
@@ -123,7 +125,7 @@ class Extended:
         return window, ((2 * window, 2 * window + 1) if small < q * k + r else (q, q))
 
     def _at(self, f, b):
-        """f(i, j) of the four traces, extended to this depth and micro-batch b."""
+        """f(i, j) of the four traces (depths i, micro-batches j), extended to this depth and micro-batch b."""
         dq, db, span = self.q - self.depths[0], b - self.bs[0], max(1, self.bs[1] - self.bs[0])
         f00, f01, f10, f11 = f(0, 0), f(0, 1), f(1, 0), f(1, 1)
         return f00 + dq * (f10 - f00) + db * ((f01 - f00) // span) + dq * db * ((f11 - f10 - f01 + f00) // span)
@@ -141,21 +143,6 @@ class Extended:
         at = self._at(lambda i, j: self.points[i, j], self.bs[0])
         y = self._at(lambda i, j: self.points[i, j], self.bs[0] + 1) - at if self.bs[1] > self.bs[0] else 0 * at
         return at - self.bs[0] * y, y
-
-
-def at_micro_batch(marked, b):
-    """A trace at trace.marker(cfg) sequences (trace.PerSequence) as the trace at micro-batch b, 2 or 3, reads:
-    its points and phases their fixed bytes + b x their bytes per sequence; its inputs and FLOPs b of its own
-    per sequence; all else (states, buffers, what FSDP gathers) the same at every b."""
-    m = marked["per_sequence"]
-    out = dict(marked, points=[(where, op, fixed + b * each, storages, large[b - 2])
-                               for where, op, fixed, each, storages, *large in marked["points"]],
-               phase={name: fixed + b * each for name, (fixed, each) in marked["phase"].items()})
-    for name in ("inputs", "flops", "fp8_flops"):
-        if out[name] % m:
-            raise ValueError(f"the trace's {name} are no whole figure per sequence: not linear in the micro-batch")
-        out[name] = out[name] // m * b
-    return out
 
 
 def said(label):
@@ -184,8 +171,8 @@ class Peaks:
         # its three phases, then the optimizer's step, which finds the same bytes alive after either
         self.traced_steps = micro_steps if cfg.shard == "fsdp" else 2
         # the extension: FSDP as it runs, the others unsharded, alone
-        self.ext = Extended(cfg, world, 0, micro_steps, b) if cfg.shard == "fsdp" else \
-            Extended(replace(cfg, shard="none"), 1, 0, 2, b)
+        self.ext = trace.memoized(Extended, cfg, world, 0, micro_steps, b) if cfg.shard == "fsdp" else \
+            trace.memoized(Extended, replace(cfg, shard="none"), 1, 0, 2, b)  # (one for DDP, ZeRO-1 and ZeRO-2)
         self.lines = self._lines()
 
     def _lines(self):
@@ -258,6 +245,10 @@ def peaks(cfg, world, micro_steps=1, b=(2, 3)):
 
 def param_shapes(cfg):
     """Each parameter's shape in model.GPT's order, the model built on the meta device (no memory)."""
+    return trace.memoized(_param_shapes, replace(cfg, shard="none"))
+
+
+def _param_shapes(cfg):
     with torch.device("meta"):
         return [tuple(p.shape) for p in GPT(cfg, linear_factory=precision.decide(cfg).linear_factory()).parameters()]
 
@@ -321,6 +312,7 @@ class Row:
 
 
 SEARCHED = ("precision", "ckpt", "shard", "attn")  # the keys a plan varies, in Row's order
+UNTRACED = Config()  # out_dir and peak_flops, which no trace reads, at their defaults: a trace kept serves any
 LOSS_CHUNKS = (1, 4, 16, 64)  # the loss's pieces tried in order where the whole loss does not fit, k | s
 
 
@@ -353,7 +345,7 @@ def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MI
     def evaluate(combo):
         row = Row(*combo, budget=budget)
         one = replace(cfg, **dict(zip(SEARCHED, combo)), batch_size=1, accum=1, total_batch_tokens=0,
-                      device="cuda" if cuda else "cpu")
+                      device="cuda" if cuda else "cpu", out_dir=UNTRACED.out_dir, peak_flops=UNTRACED.peak_flops)
         try:
             validate(one)
             checkpoint.policy(one)
@@ -377,7 +369,7 @@ def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MI
             fit(row, replace(one, loss_chunks=chunks), gpu, world, n, context, batch)
             if row.why is None or row.states > budget or row.where == "step":
                 break  # it fits, or the loss is not what stops it
-            if chunks == 1 and row.peak - trace.loss_at_most(replace(one, batch_size=batch or 1))[0] > budget:
+            if chunks == 1 and row.peak - loss_at_most(replace(one, batch_size=batch or 1))[0] > budget:
                 break  # less all of the whole loss's bytes, it would not fit either: no piece can help
         if row.why is None:
             cost(row, replace(one, loss_chunks=row.loss_chunks), gpu, world, mfu, cfg.peak_flops)

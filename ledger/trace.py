@@ -5,20 +5,17 @@ recompute, optimizer and sharding) under PyTorch's FakeTensorMode (shapes, dtype
 counted by ledger/measure.py as a real step is; over N ranks PyTorch's fake process group stands in for
 the others. What has no value on a fake tensor the chapter's code states where it reads one
 (precision.host_value). DDP's reducer (C++) is stated (`DDP`); where torch has no CUDA, a GPU's step
-runs the GPU kernels' memory rules (`CUDA`), unverified until `make gpu-check`. More: docs/ledger.md.
+runs the GPU kernels' memory rules (ledger/cuda_rules.py), unverified until `make gpu-check`. Traces are
+kept by request (`step`), on disk too for `make plan` (ledger/kept.py). More: docs/ledger.md.
 """
 import contextlib
-import dataclasses
-import hashlib
 import math
 import multiprocessing
 import signal
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 import accumulate
@@ -26,67 +23,15 @@ import build
 import flops
 import fsdp
 import memory_ledger
-import model
 import precision
-from backends import fp8_gemm
-from guards.clean_end import write_atomically
-from ledger import comm, measure
+from ledger import comm, kept, measure
+from ledger.cuda_rules import cuda_dtypes, cuda_rules, emulated
 
 # DDP (SHARD=none over N ranks), beyond its unwrapped model: the reducer copies every gradient into
 # buckets it makes when it wraps the model (torch/csrc/distributed/c10d/reducer.cpp, initialize_buckets:
 # one more copy of the gradients, held all step) and all-reduces them once a step (2 x P elements), stated
 # as one call of P elements: the reducer sizes its buckets itself (1 MiB first, then 25 MiB)
 DDP = "DDP's reducer: a bucket copy of every gradient, and their all-reduce (reducer.cpp)"
-
-CUDA = [  # what a GPU's kernels keep that a CPU's do not: (rule, source); all unverified until make gpu-check
-    ("LayerNorm's mean and rstd in FP32 for 16-bit inputs", "aten/src/ATen/native/cuda/layer_norm_kernel.cu"),
-    ("dropout one fused kernel saving a bool mask", "aten/src/ATen/native/cuda/Dropout.cu, native_dropout_cuda"),
-    ("sdpa: flash attention (16-bit) or memory-efficient (FP32), with dropout too, keeping its output and an FP32 "
-     "logsumexp (padded to 32 rows by the memory-efficient one)", "aten/src/ATen/native/transformers/cuda/"
-     "attention.cu; torch/_meta_registrations.py"),
-    ("the FP8 GEMM is torch._scaled_mm, its operands not copied to BF16", "backends/fp8_gemm.py's GPU path"),
-    ("AdamW's per-tensor step counts stay in host memory", "torch/optim/adamw.py (capturable=False)"),
-    ("LOSS_CHUNKS: a piece's weight gradient is one 16-bit GEMM with an FP32 output, no FP32 copies of its "
-     "operands", "model.sum_in_fp32's GPU branch; torch.mm's out_dtype (aten/src/ATen/native/cuda/Blas.cpp)"),
-]
-
-
-def _dropout(x, p=0.5, training=True, inplace=False):
-    return torch.ops.aten.native_dropout(x, p, True)[0] if training and 0 < p < 1 else x
-
-
-def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
-    if attn_mask is not None or kwargs:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
-    if q.dtype == torch.float32:
-        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal,
-                                                                      scale=scale)[0]
-    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
-
-
-def cuda_dtypes(func, args, kwargs, out):
-    """An op's outputs in the dtypes CUDA's kernel gives them (LayerNorm's, above), as the census counts them
-    (measure.LiveTensors' `outputs`: in its own mode, as a mode more would cost every op 10-20%)."""
-    if func is torch.ops.aten.native_layer_norm.default and out[1].dtype != torch.float32:
-        return out[0], out[1].float(), out[2].float()
-    return out
-
-
-@contextlib.contextmanager
-def cuda_rules(on):
-    """CUDA's rules (above) for what runs inside, where `on`, but LayerNorm's dtypes (cuda_dtypes)."""
-    if not on:
-        yield
-        return
-    # functions, not a torch-function mode: autograd runs a recompute's re-run in backward without one
-    saved = fp8_gemm.on_gpu, vars(model).get("on_gpu"), F.dropout, F.scaled_dot_product_attention
-    fp8_gemm.on_gpu = model.on_gpu = lambda t: True  # (model.py's, if a learner's model.py still has it)
-    F.dropout, F.scaled_dot_product_attention = _dropout, _attention
-    try:
-        yield
-    finally:
-        fp8_gemm.on_gpu, model.on_gpu, F.dropout, F.scaled_dot_product_attention = saved
-
 
 @contextlib.contextmanager
 def fake_tensors():
@@ -148,24 +93,6 @@ def marks(model, tracker):
             h.remove()
 
 
-_FORCED = []  # rules_forced(): a GPU's step traced on fake CPU tensors with CUDA's rules, where CUDA is here
-
-
-def emulated(cfg):
-    """Whether cfg's step is a GPU's traced on CPU tensors: CUDA's rules stand in for its kernels where torch has
-    no CUDA (or where `rules_forced` asks, to check the rules against a GPU's own: tools/plan_check.py)."""
-    return cfg.device == "cuda" and (_FORCED or not torch.cuda.is_available())
-
-
-@contextlib.contextmanager
-def rules_forced():
-    _FORCED.append(True)
-    try:
-        yield
-    finally:
-        _FORCED.pop()
-
-
 _TRACED = {}  # the traces made in this process, and what is made of them (memoized), by _key
 _ASKED = []  # while rounds() notes: the traces asked for and not made yet
 
@@ -191,8 +118,8 @@ class Missing(Exception):
 
 def _cached(kind, cfg, *args):
     key = _key(kind, cfg, *args)
-    if key not in _TRACED and (kept := _from_disk(kind, cfg, *args)) is not None:
-        _TRACED[key] = kept
+    if key not in _TRACED and (on_disk := kept.read(kind, cfg, *args)) is not None:
+        _TRACED[key] = on_disk
     if key not in _TRACED:
         if _ASKED:
             _ASKED[-1].append((kind, cfg, *args))
@@ -203,56 +130,11 @@ def _cached(kind, cfg, *args):
     return _TRACED[key]
 
 
-COUNTS = {"traced": 0, "read": 0}  # traces made in this process and its workers, and read from disk
-_DISK = []  # kept_on_disk's folder, while it keeps traces
-_MODEL_AS_IMPORTED = flops.model_code()  # model.py as its file says: a test's patch of it is kept nowhere
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@contextlib.contextmanager
-def kept_on_disk(folder):
-    """Traces kept in `folder` too (None: not), so that a second question reads them: each in a file
-    named by everything that makes it, model.py's content and the code that runs it (every .py file of the
-    project but the tests' and tools') among it: an edit of any of them is a new name, never a stale trace."""
-    _DISK.append(Path(folder) if folder else None)
-    try:
-        yield
-    finally:
-        _DISK.pop()
-
-
-def _disk_path(kind, cfg, *args):
-    if not _DISK or _DISK[-1] is None or flops.model_code() != _MODEL_AS_IMPORTED:
-        return None
-    if not _CODE:
-        files = sorted(p for p in [*ROOT.glob("*.py"), *ROOT.glob("*/*.py")] if p.parent.name not in ("tests", "tools"))
-        _CODE.append(hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest())
-    made_of = repr((kind, repr(cfg), args, emulated(cfg), _CODE[0], torch.__version__))
-    return _DISK[-1] / f"{hashlib.sha256(made_of.encode()).hexdigest()[:40]}.pt"
-
-
-_CODE = []  # the project's code, hashed once a process
-
-
-def _from_disk(kind, cfg, *args):
-    """The kept trace of this request, or None (none kept, or one that cannot be read: traced again)."""
-    path = _disk_path(kind, cfg, *args)
-    try:
-        out = torch.load(path, weights_only=True) if path and path.exists() else None
-    except Exception:  # noqa: BLE001  (a cache: whatever is wrong with the file, the trace is made again)
-        return None
-    COUNTS["read"] += out is not None
-    return out
-
-
 def _made(kind, cfg, *args, out=None):
-    """A trace made now (or `out`, made by a worker), counted and kept on disk where kept_on_disk asks."""
+    """A trace made now (or `out`, made by a worker), counted, and kept on disk where kept.kept_on_disk asks."""
     out = KINDS[kind](cfg, *args) if out is None else out
-    COUNTS["traced"] += 1
-    if path := _disk_path(kind, cfg, *args):
-        with contextlib.suppress(OSError):  # a cache that cannot be written: the trace is made again next time
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(path, lambda fh: torch.save(out, fh))
+    kept.COUNTS["traced"] += 1
+    kept.keep(out, kind, cfg, *args)
     return out
 
 
@@ -450,10 +332,20 @@ class PerSequence(measure.LiveTensors):
         self.split[now] = (now - self.m * self.sequence_bytes, self.sequence_bytes)
         return now
 
-    def _resized(self, st):
-        if measure.StorageWeakRef(st).cdata in self.per_sequence:
-            raise ValueError("a storage that grows with the micro-batch was resized in place")
-        super()._resized(st)
+
+def at_micro_batch(marked, b):
+    """A trace at marker(cfg) sequences (PerSequence) as the trace at micro-batch b, 2 or 3, reads:
+    its points and phases their fixed bytes + b x their bytes per sequence; its inputs and FLOPs b of its own
+    per sequence; all else (states, buffers, what FSDP gathers) the same at every b."""
+    m = marked["per_sequence"]
+    out = dict(marked, points=[(where, op, fixed + b * each, storages, large[b - 2])
+                               for where, op, fixed, each, storages, *large in marked["points"]],
+               phase={name: fixed + b * each for name, (fixed, each) in marked["phase"].items()})
+    for name in ("inputs", "flops", "fp8_flops"):
+        if out[name] % m:
+            raise ValueError(f"the trace's {name} are no whole figure per sequence: not linear in the micro-batch")
+        out[name] = out[name] // m * b
+    return out
 
 
 def _trace(cfg, world, rank, micro_steps, planned):
@@ -501,48 +393,6 @@ def _trace(cfg, world, rank, micro_steps, planned):
         if parts.grad_buffers is None:  # with FP32 sums every micro-step is no_sync: accumulate.py all-reduces them
             out["calls"] = out["calls"] + [("all_reduce", out["parameters"], out["params"][0])]
     return out
-
-
-class _Described(measure.LiveTensors):
-    """LiveTensors that also tells what was alive at its peak: [(dtype, shape, bytes)] of each storage."""
-
-    def __init__(self, device, outputs=None):
-        super().__init__(device, outputs=outputs)
-        self.told, self.at_peak = {}, {}
-
-    def _add(self, t):
-        self._drop_dead()  # a dead storage's id may be this one's now
-        if isinstance(t, torch.Tensor) and t.device.type == self.device.type:
-            if measure.storage_key(t) not in self.live:
-                self.told[measure.storage_key(t)] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
-        super()._add(t)
-
-    def _counted(self, op=None, grew=False):
-        if self.now > self.peak:
-            self.at_peak = {key: (*self.told.get(key, ("?", ())), n) for key, n in self.live.items()}
-        super()._counted(op, grew)
-
-
-def loss_at_most(cfg, fake=True, device=None):
-    """(bytes, [(dtype, shape, bytes)] alive then) of model.GPT.head_and_loss at its most beyond its inputs,
-    run alone on `device` (None: where cfg's step is traced), fake or real: memory_ledger.loss_temporaries_closed."""
-    prec = precision.decide(cfg)
-    device = torch.device(device or _device(cfg))
-    with fake_tensors() if fake else contextlib.nullcontext(), cuda_rules(fake and emulated(cfg)), device:
-        # one block is built, none runs: the head and the loss alone
-        gpt = model.GPT(dataclasses.replace(cfg, n_layer=1), prec.linear_factory()).to(prec.param_dtype)
-        x = torch.randn(cfg.batch_size, cfg.block_size, cfg.n_embd, dtype=prec.param_dtype, requires_grad=True)
-        targets = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size))
-        tracker = _Described(device, cuda_dtypes if fake and emulated(cfg) else None)
-        inputs = [x, targets, *gpt.parameters(), *gpt.buffers()]
-        with tracker:
-            tracker.adopt(inputs)
-            tracker.reset_peak()
-            before = tracker.read()
-            gpt.head_and_loss(x, targets)[1].backward()
-            del x.grad
-    kept = {measure.storage_key(t) for t in inputs}
-    return tracker.peak - before, [told for key, told in tracker.at_peak.items() if key not in kept]
 
 
 KINDS = {"step": _trace, "optimizer step": _optimizer_step}

@@ -16,7 +16,7 @@ import accumulate
 import memory_ledger as ml
 import train
 from config import Config, UsageError, validate
-from ledger import trace
+from ledger.loss import loss_at_most
 from model import GPT, IGNORE_INDEX
 
 ROWS = 3 * 32  # batch x block: 7 and 5 do not divide it, 96 pieces are a row each
@@ -108,13 +108,13 @@ def test_the_ledger_names_what_the_loss_holds_beyond_its_formula(vocab_size, chu
     """The loss at its most, traced alone, is the closed form's three FP32 tensors plus what the ledger names,
     byte for byte (at V = h = 256 too, where a (rows, V) tensor and a (rows, h) one have one shape)."""
     cfg = replace(tiny(loss_chunks=chunks), vocab_size=vocab_size, n_embd=256 if vocab_size == 256 else 64)
-    traced, alive = trace.loss_at_most(cfg)
+    traced, alive = loss_at_most(cfg)
     closed = ml.loss_temporaries_closed(cfg.block_size, cfg.batch_size, cfg.vocab_size, chunks)
     named = ml.loss_differences(cfg, alive)
     named_bytes = sum(int(n.replace(",", "")) * int(times or 1) * (-1 if line.startswith("not alive") else 1)
                       for line in named
                       for n, times in [re.search(r"([\d,]+) bytes(?: \(x(\d+)\))?$", line).groups()])
-    measured = trace.loss_at_most(cfg, fake=False)[0]
+    measured = loss_at_most(cfg, fake=False)[0]
     assert traced == measured, f"the loss at its most: traced {traced:,} bytes, measured {measured:,}"
     assert traced - closed == named_bytes, f"{chunks} piece(s), V={vocab_size}: {traced - closed:,} bytes beyond " \
                                            f"the formula, {named_bytes:,} named: {named}"

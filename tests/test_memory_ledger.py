@@ -20,7 +20,8 @@ import train
 from config import Config
 from conftest import merged
 from guards.cli import parse_args
-from ledger import measure, papers, trace
+from ledger import cuda_rules, measure, papers, trace
+from ledger.loss import loss_at_most
 from tools import ledger as tool
 
 TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--seed=3"]
@@ -400,7 +401,7 @@ def test_cuda_traced_as_measured(prec, ckpt):
 
 @pytest.mark.cuda
 def test_cuda_loss_in_pieces_traced_as_measured():
-    """The FP32 sum of the pieces' weight gradients: one cuBLAS GEMM with an FP32 output (trace.CUDA's rule)."""
+    """The FP32 sum of the pieces' weight gradients: one cuBLAS GEMM with an FP32 output (cuda_rules.CUDA's rule)."""
     argv = ["--n_layer=2", "--n_embd=256", "--n_head=4", "--block_size=256", "--batch_size=8", "--vocab_size=50304",
             "--precision=bf16", "--loss_chunks=16"]
     cfg, rows, ok, meas, traced = ledger(argv, "cuda")
@@ -412,11 +413,11 @@ def test_cuda_loss_in_pieces_traced_as_measured():
                                                                              "--dropout=0.1"],
                                   ["--precision=bf16", "--attn=sdpa", "--ckpt=full"], ["--precision=fp8"]])
 def test_cuda_rules_are_this_gpus_kernels(argv):
-    """ledger/trace.CUDA's rules (what a CPU-only machine traces for a GPU) against this GPU's own kernels,
+    """ledger/cuda_rules.CUDA's rules (what a CPU-only machine traces for a GPU) against this GPU's own kernels,
     traced on fake CUDA tensors: the same activations and peak."""
     cfg = replace(parse_args(merged(*TINY, "--n_embd=64", *argv)), device="cuda")
     real = trace.step(cfg)
-    with trace.rules_forced():
+    with cuda_rules.rules_forced():
         ruled = trace.step(cfg)
     assert (ruled["activations"], ruled["peak"]) == (real["activations"], real["peak"]), \
         f"{' '.join(argv)}: the rules trace {ruled['activations']:,} bytes of activations and a peak of " \
@@ -425,7 +426,7 @@ def test_cuda_rules_are_this_gpus_kernels(argv):
 
 def test_a_gpus_step_traced_here_keeps_layernorms_statistics_in_fp32():
     """CUDA's LayerNorm keeps its mean and rstd in FP32 for 16-bit inputs, CPU's in the input's dtype: a GPU's
-    step traced on a CPU-only torch (trace.CUDA's rules) counts them as the GPU keeps them."""
+    step traced on a CPU-only torch (cuda_rules.CUDA's rules) counts them as the GPU keeps them."""
     cfg = parse_args(merged(*TINY, "--precision=bf16", "--device=cpu"))
     statistics = {("NativeLayerNormBackward0", "result1"), ("NativeLayerNormBackward0", "result2")}
     dtypes = {device: sorted({t.dtype for t in trace.step(replace(cfg, device=device))["saved_tensors"].values()
@@ -435,12 +436,12 @@ def test_a_gpus_step_traced_here_keeps_layernorms_statistics_in_fp32():
 
 def test_a_gpus_loss_in_pieces_traced_here_sums_each_piece_in_one_gemm_into_fp32():
     """model.sum_in_fp32's GPU branch: cuBLAS multiplies a piece's 16-bit operands into an FP32 output, where a CPU
-    copies both to FP32 first. A GPU's step traced on a CPU-only torch runs that branch (trace.CUDA's rules): at
+    copies both to FP32 first. A GPU's step traced on a CPU-only torch runs that branch (cuda_rules.CUDA's rules): at
     the loss's most (wide enough that the weight's sum is it), the GEMM's FP32 output beside the FP32 sum."""
     cfg = Config(n_layer=1, n_embd=512, n_head=2, block_size=64, vocab_size=256, batch_size=2, precision="bf16",
                  loss_chunks=4)
     weight = ("float32", (256, 512), 4 * 256 * 512)
-    weight_sized = {device: trace.loss_at_most(replace(cfg, device=device))[1].count(weight)
+    weight_sized = {device: loss_at_most(replace(cfg, device=device))[1].count(weight)
                     for device in ("cpu", "cuda")}
     assert weight_sized == {"cpu": 1, "cuda": 2}, f"FP32 tensors of the head's weight's size alive at the loss's " \
                                                   f"most: {weight_sized} (the sum, and on a GPU the GEMM's output)"
@@ -471,7 +472,7 @@ def saved_by(fn, *args):
 
 @pytest.mark.cuda
 def test_cuda_layernorm_and_dropout_rules():
-    """Two of ledger/trace.CUDA's rules, on this GPU's own kernels: layer_norm_cuda keeps mean and rstd in
+    """Two of ledger/cuda_rules.CUDA's rules, on this GPU's own kernels: layer_norm_cuda keeps mean and rstd in
     FP32 for BF16 inputs; native_dropout keeps a bool mask."""
     x = torch.randn(2, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ln = torch.nn.LayerNorm(64).to("cuda", torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Will it fit? (ledger/plan.py, `make plan`): a big step from four small traces is the step traced whole,
+"""Will it fit? (ledger/plan.py, `make plan`): a big step from two small traces is the step traced whole,
 at every micro-batch and on every rank; the solve is the search; on CPU the planned micro-batch peaks at or
 under the budget and the next one over it, as ledger/measure.py measures them (one process and ZeRO-2 over
 2 gloo ranks); BATCH_SIZE is a question the plan answers."""
@@ -17,7 +17,7 @@ import train
 from config import Config
 from conftest import ROOT, torchrun
 from guards import cli
-from ledger import comm, gpus, measure, trace
+from ledger import comm, gpus, kept, measure, trace
 from ledger import plan as lp
 from tools import gpu_check, plan_check
 from tools import plan as tool
@@ -34,9 +34,10 @@ def traced_whole(cfg, world, micro_steps, b):
 
 
 DEEP = dict(n_layer=6, n_embd=32, n_head=2, block_size=64, vocab_size=256, device="cpu")  # more units than traced
-
-
-@pytest.mark.parametrize("over,world,micro_steps", [  # one micro-step or two: one process, ZeRO and FSDP each meet both
+READ = ("points", "phase", "inputs", "flops", "fp8_flops", "held", "buffer_counts", "buffers", "parameters", "sent",
+        "gathered")  # what the extension reads of a trace
+# one micro-step or two: one process, ZeRO and FSDP each meet both
+CONFIGURATIONS = pytest.mark.parametrize("over,world,micro_steps", [
     (dict(precision="fp32"), 1, 1), (dict(precision="bf16", ckpt="full", attn="sdpa"), 1, 2),
     (dict(precision="bf16", ckpt="selective", dropout=0.1), 1, 1),
     (dict(precision="fp16", ckpt="sqrt", ckpt_segment=2, n_layer=13), 1, 1), (dict(precision="fp8"), 1, 2),
@@ -45,9 +46,37 @@ DEEP = dict(n_layer=6, n_embd=32, n_head=2, block_size=64, vocab_size=256, devic
     (dict(precision="fp32", shard="fsdp", ckpt="full", n_layer=10), 2, 2),
     (dict(precision="bf16", shard="fsdp", ckpt="sqrt", ckpt_segment=2, n_layer=13), 2, 2),
     (dict(precision="bf16", loss_chunks=4, vocab_size=4096), 1, 2)])
+
+
+@CONFIGURATIONS
+def test_one_trace_at_the_marker_is_the_traces_at_two_and_three_sequences(over, world, micro_steps):
+    # the planner's trace at marker(cfg) sequences, read at b = 2 and 3, is what a trace at b gives, figure by figure
+    cfg = replace(Config(**{**DEEP, **over}), device="cuda")  # (a GPU's: its rules, FP8's GEMM, sdpa's kernels)
+    read_as_traced(replace(cfg, n_layer=lp.units(cfg)[0] * 2 + lp.units(cfg)[2]), world, micro_steps)  # two units
+
+
+def test_storages_over_a_mib_are_told_at_each_micro_batch():
+    # FP32 attention scores of 512 KiB a sequence: 1 MiB at b = 2, not over it; over it at b = 3
+    read_as_traced(Config(**{**TINY, "block_size": 256, "precision": "fp32", "device": "cuda"}), 1, 1)
+
+
+def read_as_traced(cfg, world, micro_steps):
+    if cfg.shard != "fsdp":  # as Peaks traces it: DDP's and ZeRO's forward and backward unsharded, two micro-steps
+        cfg, world, micro_steps = replace(cfg, shard="none"), 1, 2
+    marked = trace.step(replace(cfg, batch_size=trace.marker(cfg)), world, 0, micro_steps, True)
+    for b in (2, 3):
+        traced = trace.step(replace(cfg, batch_size=b), world, 0, micro_steps, True)
+        read = trace.at_micro_batch(marked, b)
+        differ = [name for name in READ if traced[name] != read[name]]
+        assert not differ, f"{cfg.precision} {cfg.ckpt} {cfg.shard} at b={b}: " + "; ".join(
+            f"{name}: traced at b {str(traced[name])[:200]}, read off the marker {str(read[name])[:200]}"
+            for name in differ)
+
+
+@CONFIGURATIONS
 def test_the_extended_step_is_the_step_traced_whole(over, world, micro_steps):
-    """What the plan relies on: traced at 2 and 3 units (4 and 5 blocks under FSDP) and micro-batches 2 and 3, every
-    point of the step extends to the full depth and any micro-batch exactly (b = 1 from traces at b = 1)."""
+    """What the plan relies on: traced at 2 and 3 units (4 and 5 blocks under FSDP), each at marker(cfg) sequences,
+    every point of the step extends to the full depth and any micro-batch exactly (b = 1 from traces at b = 1)."""
     cfg = Config(**{**DEEP, **over})
     for b in (1, 5):
         peaks = lp.Peaks(cfg, world, micro_steps, (1,) if b == 1 else (2, 3))
@@ -340,11 +369,11 @@ def test_a_second_question_reads_the_kept_traces_and_an_edit_of_model_py_makes_n
         made, read = re.search(r"(\d+) traces made, (\d+) read from ", text).groups()
         return int(made), int(read), [line for line in text.splitlines() if line.startswith("bf16 ")]
     made, read, rows = asked("--gpu=1GiB")
-    kept = sorted((tmp_path / "traces").iterdir())
-    assert made == len(kept) > 0 and read == 0, (made, read, kept)
+    files = sorted((tmp_path / "traces").iterdir())
+    assert made == len(files) > 0 and read == 0, (made, read, files)
     assert asked("--gpu=1GiB") == (0, made, rows), "asked again, the plan traced anew or answered otherwise"
     assert asked("--gpu=2GiB")[:2] == (0, made), "another GPU's size needs no trace of its own"
-    kept[0].write_bytes(b"not a trace")
+    files[0].write_bytes(b"not a trace")
     assert asked("--gpu=1GiB") == (1, made - 1, rows), "a kept file that cannot be read is not traced again"
     # an edit of model.py (a comment will do): its text is part of every name
     copy = tmp_path / "project"
@@ -352,8 +381,8 @@ def test_a_second_question_reads_the_kept_traces_and_an_edit_of_model_py_makes_n
         (copy / source.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
         (copy / source.relative_to(ROOT)).write_bytes(source.read_bytes())
     (copy / "model.py").write_text((copy / "model.py").read_text() + "# a learner's note\n")
-    monkeypatch.setattr(trace, "ROOT", copy)
-    monkeypatch.setattr(trace, "_CODE", [])
+    monkeypatch.setattr(kept, "ROOT", copy)
+    monkeypatch.setattr(kept, "_CODE", [])
     assert asked("--gpu=1GiB") == (made, 0, rows), "model.py edited, the kept traces were read as they were"
     (tmp_path / "a file").write_text("")
     assert tool.main(argv[:-1] + [f"--trace_cache={tmp_path / 'a file'}"]) == 2
@@ -362,16 +391,17 @@ def test_a_second_question_reads_the_kept_traces_and_an_edit_of_model_py_makes_n
 
 def below_its_neighbour(more, fewer):
     """Whether `more` is `fewer` with points added, each below the point before it (so never the highest)."""
-    kept, last = 0, None
+    matched, last = 0, None
     for point in more:
-        if kept < len(fewer) and point == fewer[kept]:
-            kept, last = kept + 1, point
+        if matched < len(fewer) and point == fewer[matched]:
+            matched, last = matched + 1, point
         elif last is None or point[0] >= last[0]:
             return False
-    return kept == len(fewer)
+    return matched == len(fewer)
 
 
-@pytest.mark.parametrize("precision,fp32_grad_accum", [("fp32", False), ("bf16", True), ("fp16", False), ("fp8", False)])
+@pytest.mark.parametrize("precision,fp32_grad_accum",
+                         [("fp32", False), ("bf16", True), ("fp16", False), ("fp8", False)])
 def test_a_gpus_optimizer_step_on_the_meta_device_is_its_fake_step(precision, fp32_grad_accum):
     # the meta device stands in for fake tensors in a GPU's optimizer step: every figure alike, and its timeline
     # the same but for what the code makes on the CPU by name (a constant's copy), which a GPU's memory never holds

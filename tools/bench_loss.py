@@ -11,7 +11,7 @@ loss are as large as GPT-2's, the data need not be), one per k in PIECES, built 
 seeds them). Each round steps every model once, in a rotating order, so the machine's drift falls
 on all; a model's time ratio against k = 1 is the median of its rounds' ratios. Per k: the step's
 peak (every byte alive, the states too: ledger/measure.py's LiveTensors on CPU, the caching
-allocator's high-water mark on CUDA) and the loss's temporaries at their most (ledger/trace.
+allocator's high-water mark on CUDA) and the loss's temporaries at their most (ledger/loss.
 loss_at_most, run on real tensors on the same device, their storages counted) as a share of it.
 """
 import json
@@ -30,7 +30,8 @@ from guards.clean_end import memory_available  # noqa: E402
 from config import UsageError  # noqa: E402
 from data import Batches, load_tokens, split_tokens  # noqa: E402
 from guards import cli  # noqa: E402
-from ledger import measure, trace  # noqa: E402
+from ledger import measure  # noqa: E402
+from ledger.loss import loss_at_most  # noqa: E402
 from tools import bench  # noqa: E402
 from tools.bench_compile import job_of  # noqa: E402
 
@@ -69,7 +70,7 @@ def measure_pieces(flags, rounds, warmup):
     for k, (model, parts) in runs.items():
         ratios = [whole / piece for whole, piece in zip(times[1][warmup:], times[k][warmup:])]
         peak = step_peak(model, parts, micro, cfg, device)
-        loss = trace.loss_at_most(replace(cfg, loss_chunks=k), fake=False, device=device)[0]
+        loss = loss_at_most(replace(cfg, loss_chunks=k), fake=False, device=device)[0]
         rows.append(dict(section="loss", precision=parts.precision.name, loss_chunks=k, vocab_size=VOCAB,
                          rounds=rounds, tokens_per_s=tokens_per_step / statistics.median(times[k][warmup:]), peak_bytes=peak,
                          loss_bytes=loss, loss_share=loss / peak, speed_vs_whole=statistics.median(ratios),

@@ -44,6 +44,7 @@ from guards import cli  # noqa: E402
 from config import RunError, UsageError, key  # noqa: E402
 from guards.cli import given  # noqa: E402
 from ledger import compiled, measure, papers, trace  # noqa: E402
+from ledger.loss import loss_at_most  # noqa: E402
 from ledger import parallel as mp  # noqa: E402
 from ledger.fits import check_fits  # noqa: E402
 from guards.clean_end import check_writable, write_atomically  # noqa: E402
@@ -149,8 +150,8 @@ def format_closed_forms(cfg, traced, meas):
 def loss_lines(cfg):
     """The loss's temporaries at their most (model.GPT.head_and_loss run alone), beside their closed form."""
     closed = ml.loss_temporaries_closed(cfg.block_size, cfg.batch_size, cfg.vocab_size, cfg.loss_chunks)
-    traced, alive = trace.loss_at_most(cfg)
-    measured = f"{trace.loss_at_most(cfg, fake=False)[0]:14,d}" if cfg.device == "cpu" else f"{'-':>14}"
+    traced, alive = loss_at_most(cfg)
+    measured = f"{loss_at_most(cfg, fake=False)[0]:14,d}" if cfg.device == "cpu" else f"{'-':>14}"
     pieces = f", in {cfg.loss_chunks} pieces: bs/{cfg.loss_chunks} rows" if cfg.loss_chunks > 1 else ""
     lines = [f"{'the loss, at its most':28} {closed:14,d} {traced:14,d} {measured}  3 x 4bsV: the FP32 log-softmax, "
              f"its gradient from the NLL, the logits' gradient{pieces}"]

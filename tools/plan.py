@@ -33,7 +33,7 @@ import checkpoint  # noqa: E402
 from config import UsageError, choices, key  # noqa: E402
 from guards import cli  # noqa: E402
 from guards.clean_end import check_writable, write_atomically  # noqa: E402
-from ledger import gpus, trace  # noqa: E402
+from ledger import gpus, kept  # noqa: E402
 from ledger import plan as lp  # noqa: E402
 from ledger.measure import SMALL_SIZE  # noqa: E402
 from tools.ledger_report import fmt_bytes  # noqa: E402
@@ -123,8 +123,9 @@ def margin_lines(cfg, gpu, opts):
              f"threads: ledger/gpus.py)",
              f"  reserved = allocated + up to {SMALL_SIZE // lp.MIB} MiB per storage over {SMALL_SIZE // lp.MIB} MiB "
              f"there (a cached block may be larger); it must fit the budget. nvidia-smi = reserved + the context",
-             f"  a GPU's kernels are traced by ledger/trace.CUDA's rules where this torch has no CUDA (each unverified "
-             f"until make gpu-check); make gpu-check measures the context and the allocator on the GPU it runs on"]
+             f"  a GPU's kernels are traced by ledger/cuda_rules.CUDA's rules where this torch has no CUDA (each "
+             f"unverified until make gpu-check); make gpu-check measures the context and the allocator on the GPU it "
+             f"runs on"]
     return lines
 
 
@@ -197,11 +198,11 @@ def program(argv):
     cache = opts.trace_cache and Path(__file__).resolve().parent.parent / opts.trace_cache
     if cache:
         check_writable(cache, "--trace_cache")
-    counts = dict(trace.COUNTS)
-    with trace.kept_on_disk(cache):
+    counts = dict(kept.COUNTS)
+    with kept.kept_on_disk(cache):
         rows = lp.plan(cfg, gpu, world, target, fixed, opts.mfu, 0 if cfg.device == "cpu" else
                        opts.context_mib * lp.MIB, batch, workers=len(os.sched_getaffinity(0)))  # a process per core
-    made, read = (trace.COUNTS[k] - counts[k] for k in ("traced", "read"))
+    made, read = (kept.COUNTS[k] - counts[k] for k in ("traced", "read"))
     if not rows:
         raise UsageError(f"nothing to plan: {', '.join(f'{k}={v}' for k, v in fixed.items())} with NPROC={world}")
     P = sum(math.prod(shape) for shape in lp.param_shapes(cfg))

@@ -5,7 +5,7 @@ A tool, not a chapter file. Read ledger/plan.py first (the planner, its `budget`
   1. the margin on this GPU: CUDA's total (torch), nvidia-smi's total (what the driver keeps is the
      difference), cuBLAS's workspaces (guards/report.blas_workspaces) and the CUDA context: what a
      process holds beyond PyTorch's allocator once CUDA and cuBLAS are up (total - free - reserved);
-  2. ledger/trace.CUDA's rules, which stand in for a GPU's kernels where torch has no CUDA, against
+  2. ledger/cuda_rules.CUDA's rules, which stand in for a GPU's kernels where torch has no CUDA, against
      this GPU's: the same step traced both ways;
   3. a GPU of --emulate bytes (auto: the size at which the plan's micro-batch is --micro_batch exactly,
      so that one sequence more is a whole sequence's activations over): the allocator is capped at
@@ -34,7 +34,7 @@ import train  # noqa: E402
 from config import UsageError, key  # noqa: E402
 from guards import cli  # noqa: E402
 from guards.clean_end import check_writable, write_atomically  # noqa: E402
-from ledger import gpus, measure, trace  # noqa: E402
+from ledger import cuda_rules, gpus, measure, trace  # noqa: E402
 from ledger import plan as lp  # noqa: E402
 from ledger import live as ledger_run  # noqa: E402
 from ledger.measure import MIN_BLOCK, SMALL_SIZE  # noqa: E402
@@ -131,14 +131,14 @@ def program(argv):
 
 
 def rules_check(cfg, b):
-    """ledger/trace.CUDA's rules against this GPU's own kernels: the step traced on fake CUDA tensors, and
+    """ledger/cuda_rules.CUDA's rules against this GPU's own kernels: the step traced on fake CUDA tensors, and
     again on fake CPU tensors with the rules (what a CPU-only machine traces), at every precision; the same
     peak and saved bytes verify them."""
     out = {}
     for name in ("fp32", "bf16", "fp8"):
         one = replace(cfg, precision=name, batch_size=b, dropout=0.1, n_layer=2)
         real = trace.step(one)
-        with trace.rules_forced():
+        with cuda_rules.rules_forced():
             ruled = trace.step(one)
         out[name] = dict(peak=real["peak"], ruled_peak=ruled["peak"], activations=real["activations"],
                          ruled_activations=ruled["activations"])
@@ -166,7 +166,7 @@ def summary(f):
                  + (f"FAILED: it trained too (allocated {f['next_allocated']:,})" if f["next_fits"]
                     else "out of memory, as planned"))
     rules = {k: v for k, v in f["rules"].items() if k != "same"}
-    lines.append("ledger/trace.CUDA's rules against this GPU's kernels (peak, activations; traced on fake CUDA, then on "
+    lines.append("ledger/cuda_rules.CUDA's rules against this GPU's kernels (peak, activations; traced on fake CUDA, then on "
                  "fake CPU with the rules): " + "; ".join(
                      f"{k} {v['peak']:,} / {v['ruled_peak']:,}, {v['activations']:,} / {v['ruled_activations']:,}"
                      for k, v in rules.items()) + (": the same" if f["rules"]["same"] else ": DIFFERENT"))

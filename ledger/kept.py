@@ -1,0 +1,66 @@
+"""Traces kept on disk between runs, each in a file named by everything that makes it (make plan's second
+question reads them instead of tracing).
+
+Chapter section 4's machinery: ledger/trace.py asks `read` before it traces and `keep`s what it made.
+Read `kept_on_disk` first. The name hashes the request, whether CUDA's rules stand in, torch's and
+Python's versions and the text of every .py file of the project but the tests' and the tools'.
+"""
+import contextlib
+import hashlib
+import marshal
+import sys
+from pathlib import Path
+
+import torch
+
+import flops
+from guards.clean_end import write_atomically
+from ledger.cuda_rules import emulated
+
+COUNTS = {"traced": 0, "read": 0}  # traces made in this process and its workers, and read from disk
+_DISK = []  # kept_on_disk's folder, while it keeps traces
+_MODEL_AS_IMPORTED = flops.model_code()  # model.py as its file says: a test's patch of it is kept nowhere
+ROOT = Path(__file__).resolve().parent.parent
+_CODE = []  # the project's code, hashed once a process
+
+
+@contextlib.contextmanager
+def kept_on_disk(folder):
+    """Traces kept in `folder` too (None: not), so that a second question reads them: each in a file
+    named by everything that makes it, model.py's content and the code that runs it (every .py file of the
+    project but the tests' and tools') among it: an edit of any of them is a new name, never a stale trace."""
+    _DISK.append(Path(folder) if folder else None)
+    try:
+        yield
+    finally:
+        _DISK.pop()
+
+
+def _path(kind, cfg, *args):
+    if not _DISK or _DISK[-1] is None or flops.model_code() != _MODEL_AS_IMPORTED:
+        return None
+    if not _CODE:
+        files = sorted(p for p in [*ROOT.glob("*.py"), *ROOT.glob("*/*.py")] if p.parent.name not in ("tests", "tools"))
+        _CODE.append(hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest())
+    made_of = repr((kind, repr(cfg), args, emulated(cfg), _CODE[0], torch.__version__, sys.version))
+    return _DISK[-1] / f"{hashlib.sha256(made_of.encode()).hexdigest()[:40]}.marshal"
+
+
+def read(kind, cfg, *args):
+    """The kept trace of this request, or None (none kept, or one that cannot be read: traced again)."""
+    path = _path(kind, cfg, *args)
+    try:  # marshal: Python's own types only, no code run as it loads, 40x faster than torch.load(weights_only)
+        out = marshal.loads(path.read_bytes()) if path and path.exists() else None
+    except Exception:  # noqa: BLE001  (a cache: whatever is wrong with the file, the trace is made again)
+        return None
+    COUNTS["read"] += out is not None
+    return out
+
+
+def keep(out, kind, cfg, *args):
+    """Write the trace `out` of this request where kept_on_disk asks (one that cannot be: made again next time)."""
+    if path := _path(kind, cfg, *args):
+        with contextlib.suppress(OSError, ValueError):  # (ValueError: not marshal's types)
+            data = marshal.dumps(out)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, lambda fh: fh.write(data))
