@@ -122,7 +122,10 @@ class Extended:
         k, q, r = units(cfg)
         window = -(-2 // k) if cfg.shard == "fsdp" else 1
         small = (2 * window * k + r) + ((2 * window + 1) * k + r)  # blocks the two small depths run
-        return window, ((2 * window, 2 * window + 1) if small < q * k + r else (q, q))
+        deep = q > 2 * window + 1 and (small < q * k + r or not Extended.whole_when_cheaper)
+        return window, ((2 * window, 2 * window + 1) if deep else (q, q))
+
+    whole_when_cheaper = True  # (tests/test_plan.py extends shallow models too, to hold the extension to them)
 
     def _at(self, f, b):
         """f(i, j) of the four traces (depths i, micro-batches j), extended to this depth and micro-batch b."""
