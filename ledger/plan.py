@@ -110,7 +110,7 @@ class Extended:
             if len({len(p) for p in runs.values()}) > 1:
                 raise ValueError(f"the small traces' timelines differ at {label}")
             for key, p in runs.items():
-                self.points[key] += [counts for _, *counts in p]
+                self.points[key].extend(point[1:] for point in p)
             self.where += [label] * len(runs[0, 0])
         self.points = {key: np.asarray(p, dtype=np.int64).reshape(-1, 3) for key, p in self.points.items()}
 
