@@ -8,6 +8,7 @@ Python's versions and the text of every .py file of the project but the tests' a
 import contextlib
 import hashlib
 import marshal
+import shutil
 import sys
 from pathlib import Path
 
@@ -39,11 +40,12 @@ def kept_on_disk(folder):
 def _path(kind, cfg, *args):
     if not _DISK or _DISK[-1] is None or flops.model_code() != _MODEL_AS_IMPORTED:
         return None
-    if not _CODE:
+    if not _CODE:  # a folder for each version of the code (and of torch and Python), a file for each request
         files = sorted(p for p in [*ROOT.glob("*.py"), *ROOT.glob("*/*.py")] if p.parent.name not in ("tests", "tools"))
-        _CODE.append(hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest())
-    made_of = repr((kind, repr(cfg), args, emulated(cfg), _CODE[0], torch.__version__, sys.version))
-    return _DISK[-1] / f"{hashlib.sha256(made_of.encode()).hexdigest()[:40]}.marshal"
+        code = b"".join(p.read_bytes() for p in files) + f"{torch.__version__} {sys.version}".encode()
+        _CODE.append(hashlib.sha256(code).hexdigest()[:16])
+    made_of = repr((kind, repr(cfg), args, emulated(cfg)))
+    return _DISK[-1] / _CODE[0] / f"{hashlib.sha256(made_of.encode()).hexdigest()[:40]}.marshal"
 
 
 def read(kind, cfg, *args):
@@ -58,9 +60,23 @@ def read(kind, cfg, *args):
 
 
 def keep(out, kind, cfg, *args):
-    """Write the trace `out` of this request where kept_on_disk asks (one that cannot be: made again next time)."""
+    """Write the trace `out` of this request where kept_on_disk asks (one that cannot be: made again next time).
+    The first of a new version of the code removes all but the VERSIONS newest versions' folders."""
     if path := _path(kind, cfg, *args):
         with contextlib.suppress(OSError, ValueError):  # (ValueError: not marshal's types)
             data = marshal.dumps(out)
-            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.parent.exists():
+                path.parent.mkdir(parents=True)
+                for old in sorted(filter(_versions, path.parent.parent.iterdir()), key=lambda p: p.stat().st_mtime,
+                                  reverse=True)[VERSIONS:]:
+                    shutil.rmtree(old, ignore_errors=True)
             write_atomically(path, lambda fh: fh.write(data))
+
+
+VERSIONS = 4  # the code's versions whose traces are kept (a learner's last few edits of model.py)
+
+
+def _versions(folder):
+    """Whether `folder` is one version's traces: 16 hex digits, nothing in it but traces (no folder of yours)."""
+    return folder.is_dir() and len(folder.name) == 16 and all(c in "0123456789abcdef" for c in folder.name) and \
+        all(p.suffix == ".marshal" or ".partial-memtrain-" in p.name for p in folder.iterdir())

@@ -3,6 +3,7 @@ at every micro-batch and on every rank; the solve is the search; on CPU the plan
 under the budget and the next one over it, as ledger/measure.py measures them (one process and ZeRO-2 over
 2 gloo ranks); BATCH_SIZE is a question the plan answers."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -371,7 +372,7 @@ def test_a_second_question_reads_the_kept_traces_and_an_edit_of_model_py_makes_n
         made, read = re.search(r"(\d+) traces made, (\d+) read from ", text).groups()
         return int(made), int(read), [line for line in text.splitlines() if line.startswith("bf16 ")]
     made, read, rows = asked("--gpu=1GiB")
-    files = sorted((tmp_path / "traces").iterdir())
+    files = sorted((tmp_path / "traces").rglob("*.marshal"))
     assert made == len(files) > 0 and read == 0, (made, read, files)
     assert asked("--gpu=1GiB") == (0, made, rows), "asked again, the plan traced anew or answered otherwise"
     assert asked("--gpu=2GiB")[:2] == (0, made), "another GPU's size needs no trace of its own"
@@ -386,6 +387,18 @@ def test_a_second_question_reads_the_kept_traces_and_an_edit_of_model_py_makes_n
     monkeypatch.setattr(kept, "ROOT", copy)
     monkeypatch.setattr(kept, "_CODE", [])
     assert asked("--gpu=1GiB") == (made, 0, rows), "model.py edited, the kept traces were read as they were"
+    # a new version keeps the VERSIONS newest versions' folders, and nothing else of the folder goes
+    versions = sorted((tmp_path / "traces").iterdir())
+    assert len(versions) == 2, versions
+    (tmp_path / "traces" / "notes").mkdir()
+    for i in range(kept.VERSIONS):
+        (tmp_path / "traces" / f"{i:016x}").mkdir()
+        os.utime(tmp_path / "traces" / f"{i:016x}", (i, i))  # older than the two above
+    (copy / "model.py").write_text((copy / "model.py").read_text() + "# another\n")
+    monkeypatch.setattr(kept, "_CODE", [])
+    asked("--gpu=1GiB")
+    left = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    assert left == sorted(["notes", kept._CODE[0], *(p.name for p in versions), f"{kept.VERSIONS - 1:016x}"]), left
     (tmp_path / "a file").write_text("")
     assert tool.main(argv[:-1] + [f"--trace_cache={tmp_path / 'a file'}"]) == 2
     assert capsys.readouterr().err.startswith("error: --trace_cache=")
