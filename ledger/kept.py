@@ -2,8 +2,9 @@
 question reads them instead of tracing).
 
 Chapter section 4's machinery: ledger/trace.py asks `read` before it traces and `keep`s what it made.
-Read `kept_on_disk` first. The name hashes the request, whether CUDA's rules stand in, torch's and
-Python's versions and the text of every .py file of the project but the tests' and the tools'.
+Read `kept_on_disk` first. A folder for each version of the code (a hash of the text of every .py file
+of the project but the tests' and the tools', and of torch's and Python's versions), in it a file for
+each request (its hash, whether CUDA's rules stand in among it); the VERSIONS newest folders are kept.
 """
 import contextlib
 import hashlib
@@ -27,9 +28,8 @@ _CODE = []  # the project's code, hashed once a process
 
 @contextlib.contextmanager
 def kept_on_disk(folder):
-    """Traces kept in `folder` too (None: not), so that a second question reads them: each in a file
-    named by everything that makes it, model.py's content and the code that runs it (every .py file of the
-    project but the tests' and tools') among it: an edit of any of them is a new name, never a stale trace."""
+    """Traces kept in `folder` too (None: not), so that a second question reads them: an edit of model.py
+    (or of any code that runs a trace) is a new version's folder, never a stale trace."""
     _DISK.append(Path(folder) if folder else None)
     try:
         yield

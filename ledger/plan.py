@@ -90,13 +90,12 @@ class Extended:
         window, self.depths = self.depths_of(cfg)
         self.q, self.bs = q, (b[0], b[-1])
         keys = [(i, j) for i in range(2) for j in range(2)]
-        if b == (1,):
-            self.traced = dict(zip(keys, trace.all_of([("step", at_depth(cfg, self.depths[i], 1), world, rank,
-                                                        micro_steps, True) for i, j in keys])))
-        else:  # one trace a depth, at marker(cfg) sequences, read as the traces at 2 and 3 would be
-            marked = trace.all_of([("step", at_depth(cfg, depth, trace.marker(cfg)), world, rank, micro_steps, True)
-                                   for depth in self.depths])
-            self.traced = {(i, j): trace.at_micro_batch(marked[i], self.bs[j]) for i, j in keys}
+        # one trace a depth: at b = 1 itself, else at marker(cfg) sequences, read as the traces at 2 and 3 would be
+        at = 1 if b == (1,) else trace.marker(cfg)
+        by_depth = trace.all_of([("step", at_depth(cfg, depth, at), world, rank, micro_steps, True)
+                                 for depth in self.depths])
+        self.traced = {(i, j): by_depth[i] if at == 1 else trace.at_micro_batch(by_depth[i], self.bs[j])
+                       for i, j in keys}
         timelines = {key: segments(t["points"], self.depths[key[0]], k, window, cfg.shard == "fsdp")
                      for key, t in self.traced.items()}
         labels = list(timelines[0, 0])

@@ -384,9 +384,10 @@ def _trace(cfg, world, rank, micro_steps, planned):
                    params=(sum(p.numel() for p in params), len(params)), host=0)
         out["held"], out["buffer_counts"], (host, host_n, _) = _held(cfg, model_, parts, device)
         if host:  # AdamW's step counts are host memory on a GPU: static, out of every reading (fixed bytes)
+            i = 1 if marked else 0  # a point: (where, op, bytes, [bytes per sequence,] storages, ...)
             out.update(host=host, optimizer=out["optimizer"] - host, peak=out["peak"] - host,
-                       points=[(where, op, n - host, *rest[:i], rest[i] - host_n, *rest[i + 1:])  # (storages: i)
-                               for where, op, n, *rest in out["points"] or [] for i in [1 if marked else 0]],
+                       points=[(where, op, n - host, *rest[:i], rest[i] - host_n, *rest[i + 1:])
+                               for where, op, n, *rest in out["points"] or []],
                        phase={k: (v[0] - host, v[1]) if marked else v - host for k, v in out["phase"].items()})
     if world > 1 and cfg.shard == "none":  # DDP: what its reducer holds and sends, beyond the unwrapped model
         out["ddp_buckets"] = out["parameters"]  # a copy of every gradient, in the parameters' dtype
