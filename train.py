@@ -14,6 +14,7 @@ import resource
 import signal
 import sys
 import time
+import traceback
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
@@ -277,6 +278,10 @@ def train_ddp(cfg, log, accum, device, tokens, snap, changes):
             gc.collect()
             dist.barrier()
         return history
+    except BaseException as e:  # the same for a run that stops: its frames hold the wrapper (freed later, gloo hangs)
+        traceback.clear_frames(e.__traceback__)
+        gc.collect()
+        raise
     finally:
         dist.destroy_process_group()
 
