@@ -6,6 +6,7 @@ CASES: a JSON list of {config key: value}, each on top of the flags (SHARD, ACCU
 Each is measured by tools/ledger_ranks.measure_shard, the ledger's own sharded measurement (ACCUM
 micro-steps). Rank 0 writes OUT as JSON: per case, [[peak, bytes sent] per rank].
 """
+import gc
 import json
 import sys
 from dataclasses import replace
@@ -34,6 +35,7 @@ def main(out, cases, argv):
             figures.append(every)
         if rank == 0:
             Path(out).write_text(json.dumps(figures))
+        gc.collect()  # the DDP wrappers (reference cycles) freed while the process group lives, as train.py does
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -5,6 +5,7 @@ Everything runs in FP32 (or BF16) on CPU, where recompute must be bit-exact: the
 forward does the same ops on the same inputs with the same dropout masks.
 """
 from conftest import in_backward
+import gc
 import math
 
 import pytest
@@ -342,6 +343,8 @@ def test_ddp_no_sync_accumulation_equals_none():
             loss = accumulate.accumulation_step(ddp, parts, micro, use_no_sync=True)[0]
             results.append((loss, [p.detach().clone() for p in model.parameters()]))
     finally:
+        ddp = None  # (its last wrapper: freed below, before the group goes)
+        gc.collect()  # the DDP wrappers (reference cycles) freed while the process group lives, as train.py does
         dist.destroy_process_group()
     assert results[0][0] == results[1][0]
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))

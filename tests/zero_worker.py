@@ -11,6 +11,7 @@ step returned, the collectives each phase issued (ledger/comm.Count) and this ra
 "fp8": native FP8 through DDP and ZeRO-2, each rank's whole model state (amax histories too).
 Each rank writes OUT/<mode>-rank<r>.pt.
 """
+import gc
 import sys
 from pathlib import Path
 
@@ -126,5 +127,6 @@ if __name__ == "__main__":
     modes = dict(cases=cases, overflow=overflow, fp8=fp8)
     for name in modes if mode == "all" else (mode,):  # "all": one launch for every mode
         torch.save(modes[name](rank, world), out_dir / f"{name}-rank{rank}.pt")
+    gc.collect()  # the DDP wrappers (reference cycles) freed while the process group lives, as train.py does
     dist.barrier()
     dist.destroy_process_group()

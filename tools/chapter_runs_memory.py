@@ -4,6 +4,7 @@ A tool, not a chapter file. Read tools/chapter_runs.py first (the Claim record a
 section 1 experiments); the no_sync count runs in two processes under torchrun, through
 `worker` below (tools/chapter.py starts it with --worker).
 """
+import gc
 import json
 import math
 import os
@@ -138,6 +139,7 @@ def worker(path):
         del ddp
     if dist.get_rank() == 0:
         Path(path).write_text(json.dumps(counts))
+    gc.collect()  # the DDP wrappers (reference cycles) freed while the process group lives, as train.py does
     dist.barrier()
     dist.destroy_process_group()
 

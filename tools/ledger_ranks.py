@@ -14,6 +14,7 @@ collectives counted (ledger/comm.Count), beside the formulas' (ledger/shard.rank
 step_collectives); it writes its own FOLDER/rank<N>.json after every SHARD: its figures so far
 and, where something failed, the error in one line. Figures and failures travel by that one file.
 """
+import gc
 import json
 import os
 import subprocess
@@ -270,6 +271,7 @@ def program(argv):
                 write()
                 return 1  # no destroy_process_group: another rank may wait for this one in a collective
             write()
+    gc.collect()  # the DDP wrappers (reference cycles) freed while the process group lives, as train.py does
     dist.destroy_process_group()
     return 0
 
