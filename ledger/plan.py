@@ -335,11 +335,12 @@ def allocator(peak, storages, large, gpu, context, cuda):
     return allocated, allocated + SMALL_SIZE * large, allocated + SMALL_SIZE * large + context
 
 
-def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MIB * MIB, batch=None, workers=1):
+def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MIB * MIB, batch=None, workers=1,
+         progress=None):
     """[Row] for cfg's shape on `world` GPUs of `gpu` (a GPU), fastest first, then those that do not fit or
     run, each with why. fixed: {key: value} of SEARCHED not to vary; batch: the micro-batch to try (None:
     the largest that fits). On device cpu the budget is gpu.total exactly (no CUDA context, no allocator).
-    workers: processes that trace at once (trace.rounds)."""
+    workers, progress: processes that trace at once, and what hears of each trace made (trace.rounds)."""
     cuda = cfg.device != "cpu"
     n = target_tokens // (world * cfg.block_size)  # micro-batch x K: sequences per rank per step
     budget = gpu.total - context if cuda else gpu.total
@@ -378,7 +379,7 @@ def plan(cfg, gpu, world, target_tokens, fixed=None, mfu=MFU, context=CONTEXT_MI
         return row
     combos = [combo for combo in configurations(world)
               if not any(fixed and k in fixed and fixed[k] != v for k, v in zip(SEARCHED, combo))]
-    return sorted(trace.rounds(evaluate, combos, workers), key=lambda r: (
+    return sorted(trace.rounds(evaluate, combos, workers, progress), key=lambda r: (
         r.why is not None, -(r.tokens_per_s or 0), r.recompute, r.sent, max(r.reserved, r.states) - r.budget))
 
 

@@ -159,12 +159,13 @@ def memoized(make, cfg, *args):
     return _TRACED[key]
 
 
-def rounds(evaluate, items, workers):
+def rounds(evaluate, items, workers, progress=None):
     """[evaluate(item)] of each item, the traces they read made `workers` processes at once: each item is
     evaluated while the traces it finds missing are noted (it stops at them), those are traced, forked
     (each process inherits model.py as this one holds it), the longest first, and again until none is
-    missing. What a worker cannot trace is left to be traced (and to raise) here, where it is asked."""
-    pool = None  # one pool for every round: a worker's fake-tensor cache and imports stay warm (~0.5 s each)
+    missing. What a worker cannot trace is left to be traced (and to raise) here, where it is asked.
+    progress(done, asked): called as each trace comes back, with the traces done and asked so far."""
+    pool, done, asked = None, 0, 0  # one pool for every round: a worker's fake-tensor cache and imports stay warm
     try:
         while workers > 1 and "fork" in multiprocessing.get_all_start_methods():
             _ASKED.append([])
@@ -176,10 +177,14 @@ def rounds(evaluate, items, workers):
                 todo = {_key(*request): request for request in _ASKED.pop()}
             if not todo:
                 break
-            todo = dict(sorted(todo.items(), key=lambda item: -_cost(*item[1][:2])))
+            todo, asked = dict(sorted(todo.items(), key=lambda item: -_cost(*item[1][:2]))), asked + len(todo)
             pool = pool or multiprocessing.get_context("fork").Pool(workers, initializer=_worker_start)
-            _TRACED.update((key, _made(*todo[key], out=out)) for key, out in
-                           zip(todo, pool.imap(_traced_or_none, todo.values())) if out is not None)
+            for key, out in zip(todo, pool.imap(_traced_or_none, todo.values())):
+                if out is not None:
+                    _TRACED[key] = _made(*todo[key], out=out)
+                done += 1
+                if progress:
+                    progress(done, asked)
             if not any(key in _TRACED for key in todo):
                 break
     finally:

@@ -129,13 +129,19 @@ def test_planned_micro_batch_fits_and_the_next_does_not_as_measured(precision, c
 
 def test_traced_in_parallel_as_in_one_process():
     """trace.rounds: the plan's rows are the same whether its traces are made in forked processes or here, and
-    nothing is left noted after it."""
-    rows = {}
+    nothing is left noted after it; its progress hears of every trace the workers make, as they come."""
+    rows, heard = {}, []
     for workers, seed in ((2, 13), (1, 14)):  # (a seed each: nothing cached, the same shapes)
         cfg = Config(**TINY, seed=seed)
+        made = kept.COUNTS["traced"]
         rows[workers] = [astuple(r) for r in lp.plan(cfg, gpus.find_gpu("1GiB"), 2, 6 * 2 * cfg.block_size,
                                                      dict(precision="bf16", attn="manual", ckpt="none"),
-                                                     workers=workers)]
+                                                     workers=workers, progress=lambda *now: heard.append(now))]
+        if workers == 2:
+            made = kept.COUNTS["traced"] - made
+            assert heard == [(done, heard[done - 1][1]) for done in range(1, made + 1)] and \
+                heard[-1][1] == made and all(a[1] <= b[1] for a, b in zip(heard, heard[1:])), \
+                f"{made} traces made in the workers; the progress heard (done, asked so far): {heard}"
     assert rows[2] == rows[1], "\n".join(f"forked {a}\nhere   {b}" for a, b in zip(rows[2], rows[1]) if a != b)
     assert not trace._ASKED, "rounds left a list of missing traces behind"
 

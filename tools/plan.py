@@ -16,7 +16,8 @@ The best row ends with the command that runs it.
 --gpu is a name of the table (ledger/gpus.py) or a size ("24GiB": what CUDA reports). A key of
 the search given on the command line (PRECISION, CKPT, SHARD, ATTN, LOSS_CHUNKS) fixes it. DEVICE=cpu plans
 against a byte budget as this machine measures it (--gpu=<size>; no CUDA context, no allocator):
-what tests/test_plan.py holds to ledger/measure.py. Writes OUT_DIR/plan.svg. Bad input is one line
+what tests/test_plan.py holds to ledger/measure.py. Writes OUT_DIR/plan.svg. On a terminal, one line on
+stderr counts the traces as they are made; the last line says how long it took. Bad input is one line
 'error: ...' and exit status 2, nothing written; no configuration that fits is exit status 1.
 """
 import math
@@ -186,6 +187,16 @@ def svg(rows, title):
     return "\n".join(out) + "\n"
 
 
+def progress_line(started):
+    """On a terminal, one line kept current while the traces are made: a first plan of a big model takes a
+    minute, and silence would look like a hang."""
+    def show(done, asked):
+        sys.stderr.write(f"\rtracing model.py's steps: {done} made of the {asked} asked so far, "
+                         f"{time.perf_counter() - started:.0f} s")
+        sys.stderr.flush()
+    return show
+
+
 def program(argv):
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip() + "\n\n" + cli.usage("tools/plan.py", PlanOptions))
@@ -201,7 +212,10 @@ def program(argv):
     counts = dict(kept.COUNTS)
     with kept.kept_on_disk(cache):
         rows = lp.plan(cfg, gpu, world, target, fixed, opts.mfu, 0 if cfg.device == "cpu" else
-                       opts.context_mib * lp.MIB, batch, workers=len(os.sched_getaffinity(0)))  # a process per core
+                       opts.context_mib * lp.MIB, batch, workers=len(os.sched_getaffinity(0)),  # a process per core
+                       progress=progress_line(started) if sys.stderr.isatty() else None)
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K")  # the progress line goes: the plan's own lines follow
     made, read = (kept.COUNTS[k] - counts[k] for k in ("traced", "read"))
     if not rows:
         raise UsageError(f"nothing to plan: {', '.join(f'{k}={v}' for k, v in fixed.items())} with NPROC={world}")
