@@ -13,7 +13,7 @@ import model
 import precision
 from ledger import measure
 from ledger.cuda_rules import cuda_dtypes, cuda_rules, emulated
-from ledger.trace import _device, fake_tensors
+from ledger.trace import fake_tensors, traced_device
 
 
 class _Described(measure.LiveTensors):
@@ -40,7 +40,7 @@ def loss_at_most(cfg, fake=True, device=None):
     """(bytes, [(dtype, shape, bytes)] alive then) of model.GPT.head_and_loss at its most beyond its inputs,
     run alone on `device` (None: where cfg's step is traced), fake or real: memory_ledger.loss_temporaries_closed."""
     prec = precision.decide(cfg)
-    device = torch.device(device or _device(cfg))
+    device = torch.device(device or traced_device(cfg))
     with fake_tensors() if fake else contextlib.nullcontext(), cuda_rules(fake and emulated(cfg)), device:
         # one block is built, none runs: the head and the loss alone
         gpt = model.GPT(dataclasses.replace(cfg, n_layer=1), prec.linear_factory()).to(prec.param_dtype)

@@ -239,7 +239,7 @@ def _optimizer_step(cfg, world, rank, meta=None):
     (FakeTensorMode's cache key and per-tensor foreach were most of it): what the code makes on the CPU by
     name stays off it as it stays off a GPU (AdamW's step counts, a constant's copy: tests/test_plan.py)."""
     meta = cfg.device == "cuda" if meta is None else meta
-    device = torch.device("meta") if meta else _device(cfg)
+    device = torch.device("meta") if meta else traced_device(cfg)
     with fake_ranks(world, rank), device if meta else fake_tensors(), cuda_rules(emulated(cfg)):
         model_, parts = build.build(cfg, device)
         opt = parts.optimizer
@@ -291,7 +291,7 @@ def _counts(tensors, device):
     return sum(sizes.values()), len(sizes), sum(n > measure.SMALL_SIZE for n in sizes.values())
 
 
-def _device(cfg):
+def traced_device(cfg):
     """Where cfg's step is traced: a GPU's on CPU tensors where CUDA's rules stand in (emulated)."""
     return torch.device("cuda" if cfg.device == "cuda" and not emulated(cfg) else "cpu")
 
@@ -354,7 +354,7 @@ def at_micro_batch(marked, b):
 
 
 def _trace(cfg, world, rank, micro_steps, planned):
-    device = _device(cfg)
+    device = traced_device(cfg)
     with fake_ranks(world, rank), fake_tensors(), cuda_rules(emulated(cfg)):
         model_, parts = build.build(cfg, device)
         batch = measure.random_batch(cfg, device)

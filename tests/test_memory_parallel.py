@@ -72,7 +72,7 @@ def test_fsdps_warm_step_is_its_optimizers_alone(monkeypatch, over, world, rank)
     built, real_build = [], build.build
     monkeypatch.setattr(build, "build", lambda *args: built.append(real_build(*args)) or built[-1])
     monkeypatch.setattr(trace, "warm", lambda model_, parts: accumulate.accumulation_step(
-        model_, parts, [measure.random_batch(cfg, trace._device(cfg))]))
+        model_, parts, [measure.random_batch(cfg, trace.traced_device(cfg))]))
     for planned in (False, True):
         whole, alone = trace._trace(cfg, world, rank, 2, planned), light[planned]
         for name, figure in whole.items():

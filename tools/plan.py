@@ -210,13 +210,14 @@ def program(argv):
     if cache:
         check_writable(cache, "--trace_cache")
     counts = dict(kept.COUNTS)
+    progress = progress_line(started) if sys.stderr.isatty() else None
     try:
         with kept.kept_on_disk(cache):
             rows = lp.plan(cfg, gpu, world, target, fixed, opts.mfu, 0 if cfg.device == "cpu" else
                            opts.context_mib * lp.MIB, batch, workers=len(os.sched_getaffinity(0)),  # a process per core
-                           progress=progress_line(started) if sys.stderr.isatty() else None)
+                           progress=progress)
     finally:  # the progress line goes, whatever follows it: the plan, an error's line, Ctrl-C's
-        if sys.stderr.isatty():
+        if progress:
             sys.stderr.write("\r\033[K")
     made, read = (kept.COUNTS[k] - counts[k] for k in ("traced", "read"))
     if not rows:
